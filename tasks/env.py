@@ -1,0 +1,27 @@
+"""Process-wide defaults applied before any heavy import: offline hubs, no telemetry, local-only servers."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    # Nothing downloads weights or datasets at run time; hub ids resolve from the local HF cache only.
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DO_NOT_TRACK": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Otherwise Ray listens on every interface even when given 127.0.0.1.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
+def apply_defaults() -> None:
+    """Set each default unless the user already set that variable."""
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,63 @@
+"""Shared fixtures. Tests run offline; the real SmolLM2 loads from the wheel's GGUF via the local cache."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tasks.env import apply_defaults  # noqa: E402
+
+apply_defaults()
+os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / "prefect-test-home"))
+
+TASKS_DIR = Path(os.environ.get("ICRL_TEST_TASKS_DIR", ROOT.parent / "shared" / "data" / "icrl-tasks"))
+
+
+@pytest.fixture(scope="session")
+def tasks_dir() -> Path:
+    assert TASKS_DIR.is_dir(), f"test data not found at {TASKS_DIR}"
+    return TASKS_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (frozen), loaded once per session."""
+    from icrl_core.model import load_policy
+
+    return load_policy("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A tiny random model with SmolLM2's architecture and tokenizer (frozen)."""
+    from icrl_core.model import load_policy
+
+    return load_policy("tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokens(tiny):
+    return tiny.tokens
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run the test inside a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
+    """Run the real `icrl` console script; return the CompletedProcess."""
+    import subprocess
+
+    exe = Path(sys.executable).parent / "icrl"
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

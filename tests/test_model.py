@@ -1,0 +1,158 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from icrl_core.config import LastBlocksAdapter, LoraAdapter
+from icrl_core.errors import CheckpointError
+from icrl_core.model import ValueHead, load_policy, materialize_gguf, packaged_gguf
+
+
+def _ids(policy, text="Query: where is my card?"):
+    return torch.tensor([policy.tokenizer.encode(text)])
+
+
+def _perturb_trainable(policy, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def test_lora_disabled_adapters_give_exactly_the_base_logits(tiny):
+    ids = _ids(tiny)
+    with torch.no_grad():
+        base_logits, _, _ = tiny.forward(ids)
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8))
+    _perturb_trainable(policy)  # LoRA B starts at zero; make the adapter matter
+    with torch.no_grad():
+        trained, _, _ = policy.forward(ids)
+        with policy.reference():
+            reference, _, _ = policy.forward(ids)
+    assert not torch.allclose(trained, base_logits)
+    assert torch.equal(reference, base_logits)
+    n_base = sum(p.numel() for p in tiny.model.parameters())
+    n_policy = sum(p.numel() for p in policy.model.parameters())
+    assert n_policy - n_base == sum(p.numel() for p in policy.trainable_parameters())  # no second copy
+
+
+def test_last_blocks_reference_swaps_frozen_copies(tiny):
+    ids = _ids(tiny)
+    with torch.no_grad():
+        base_logits, _, _ = tiny.forward(ids)
+    policy = load_policy("tiny", seed=0, adapter=LastBlocksAdapter(n_blocks=1))
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("model.layers.1.") for n in trainable)
+    _perturb_trainable(policy)
+    with torch.no_grad():
+        trained, _, _ = policy.forward(ids)
+        with policy.reference():
+            reference, _, _ = policy.forward(ids)
+        after, _, _ = policy.forward(ids)
+    assert torch.equal(reference, base_logits)
+    assert torch.equal(after, trained) and not torch.equal(trained, base_logits)
+
+
+def test_adapter_save_load_round_trip(tmp_path):
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    _perturb_trainable(policy)
+    policy.save_adapter(tmp_path / "adapter")
+    fresh = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True,
+                        init_adapter=tmp_path / "adapter")
+    ids = _ids(policy)
+    with torch.no_grad():
+        a, va, _ = policy.forward(ids, with_values=True)
+        b, vb, _ = fresh.forward(ids, with_values=True)
+    assert torch.equal(a, b) and torch.equal(va, vb)
+    wrong = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=8))
+    with pytest.raises(CheckpointError, match="shape"):
+        wrong.load_adapter(tmp_path / "adapter")
+
+
+def test_value_head_save_load_round_trip(tmp_path):
+    head = ValueHead(16)
+    hidden = torch.randn(2, 5, 16)
+    head.save(tmp_path / "v.safetensors")
+    loaded = ValueHead.load(tmp_path / "v.safetensors")
+    assert torch.equal(head(hidden), loaded(hidden))
+    assert head(hidden).shape == (2, 5)
+    (tmp_path / "bad.safetensors").write_bytes((tmp_path / "v.safetensors").read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        ValueHead.load(tmp_path / "bad.safetensors")
+
+
+def test_logits_at_selects_positions(tiny):
+    ids = _ids(tiny)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, -2:] = True
+    with torch.no_grad():
+        full, _, _ = tiny.forward(ids)
+        part, _, _ = tiny.forward(ids, logits_at=mask)
+    assert part.shape == (2, full.shape[-1])
+    assert torch.allclose(part, full[0, -2:], atol=1e-6)
+
+
+@pytest.mark.real_model
+def test_gguf_cache_is_keyed_by_hash_and_faster_the_second_time(tmp_path):
+    gguf = packaged_gguf()
+    started = time.perf_counter()
+    folder = materialize_gguf(gguf, tmp_path)
+    first = time.perf_counter() - started
+    from icrl_core.io import sha256_file
+
+    assert folder.name.endswith(sha256_file(gguf)[:16])
+    assert (folder / "model.safetensors").exists() and (folder / "icrl-cache.json").exists()
+    started = time.perf_counter()
+    load_policy("smollm2-135m", cache_dir=tmp_path)
+    second = time.perf_counter() - started
+    assert second * 3 < first, (first, second)
+
+
+@pytest.mark.real_model
+def test_smollm2_answers_a_factual_question_offline(smollm2, monkeypatch):
+    import os
+
+    from icrl_core.generation import greedy_chat_answer
+
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    cfg = smollm2.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    answer = greedy_chat_answer(smollm2, "What is the capital of France?")
+    assert "Paris" in answer
+
+
+def test_hub_id_and_local_folder_specs_load_from_local_copies(tmp_path, monkeypatch, tiny):
+    """A Hugging Face id resolves from the local HF cache (offline); a folder loads directly."""
+    from icrl_core.model import resolve_spec
+
+    folder = tmp_path / "saved"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    from_folder = load_policy(str(folder))
+    ids = _ids(tiny)
+    with torch.no_grad():
+        assert torch.equal(from_folder.forward(ids)[0], tiny.forward(ids)[0])
+    # lay the folder out as a hub cache snapshot: models--org--name/snapshots/<rev>/ + refs/main
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    snapshot.parent.mkdir(parents=True)
+    folder.rename(snapshot)
+    (hub / "models--acme--tiny-llama" / "refs").mkdir()
+    (hub / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    assert resolve_spec("acme/tiny-llama") == ("hub", "acme/tiny-llama")
+    from_hub = load_policy("acme/tiny-llama")
+    with torch.no_grad():
+        assert torch.equal(from_hub.forward(ids)[0], tiny.forward(ids)[0])
+    from icrl_core.errors import UserError
+
+    with pytest.raises(UserError, match="cannot load model 'acme/absent'"):
+        load_policy("acme/absent")

@@ -337,7 +337,7 @@ class RayConfig(Section):
                                                      "available).")] = "auto"
     max_failures: Annotated[int, Field(ge=0, description="Worker failures a Ray Train job survives by "
                                        "restarting from its last checkpoint.")] = 2
-    enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = True
+    enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = False
 
 
 class PrefectConfig(Section):

@@ -1,0 +1,89 @@
+"""How a training stage runs: in this process, or as a Ray Train job (see tasks/ray_train.py).
+
+A stage module provides `train_worker(config, runtime) -> dict` (the loop, run on every worker) and calls
+`launch(config, stage, train_worker)`. The loop talks to its runtime only:
+
+    runtime.report(metrics, step)            metrics of one step (MLflow from rank 0; Ray report under Ray)
+    runtime.save_checkpoint(state)           atomic checkpoint (local stage folder; Ray checkpoint under Ray)
+    runtime.load_latest_checkpoint()         the newest verified checkpoint, or None
+
+so the same loop runs under both, and a killed stage resumes from its last checkpoint either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
+from icrl_core.config import PipelineConfig
+from icrl_core.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+class Runtime(Protocol):
+    rank: int
+    world_size: int
+    checkpoint_dir: Path
+
+    def report(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def save_checkpoint(self, state: TrainingState) -> None: ...
+
+    def load_latest_checkpoint(self) -> TrainingState | None: ...
+
+
+@dataclass
+class LocalRuntime:
+    """One process; checkpoints in `checkpoint_dir`; metrics to a Tracker (MLflow) and an in-memory history."""
+
+    checkpoint_dir: Path
+    tracker: object | None = None
+    rank: int = 0
+    world_size: int = 1
+    keep_checkpoints: int = 2
+    history: list[dict] = field(default_factory=list)
+
+    def report(self, metrics: Mapping[str, float], step: int) -> None:
+        self.history.append({"step": step, **metrics})
+        if self.tracker is not None and self.rank == 0:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def save_checkpoint(self, state: TrainingState) -> None:
+        if self.rank == 0:
+            save_rotating(self.checkpoint_dir, state, keep=self.keep_checkpoints)
+
+    def load_latest_checkpoint(self) -> TrainingState | None:
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return None
+        log.info("resuming from %s", path)
+        return read_checkpoint(path)
+
+
+TrainWorker = Callable[[PipelineConfig, Runtime], dict]
+
+
+def checkpoint_dir_for(config: PipelineConfig, stage: str) -> Path:
+    return Path(getattr(config, stage).output_dir) / "checkpoints"
+
+
+def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracker=None) -> dict:
+    """Run `train_worker` for `stage`: as a Ray Train job when `ray.enabled`, else in this process."""
+    if config.ray.enabled:
+        from tasks.ray_train import run_ray_training
+
+        return run_ray_training(config, stage, train_worker, tracker)
+    runtime = LocalRuntime(checkpoint_dir_for(config, stage), tracker)
+    return train_worker(config, runtime)
+
+
+def write_stage_metrics(stage: str, metrics: Mapping[str, object], root: Path | str = "metrics") -> Path:
+    """metrics/<stage>.json, written atomically (DVC reads it as the stage's metrics file)."""
+    path = Path(root) / f"{stage}.json"
+    atomic_write_json(path, dict(metrics))
+    return path

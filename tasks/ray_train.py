@@ -1,7 +1,187 @@
-"""Ray Train integration (orchestration issue): runs a stage's train_worker in TorchTrainer workers."""
+"""Training stages as Ray Train jobs.
+
+`run_ray_training(config, stage, train_worker)` runs the stage's loop in `TorchTrainer` workers:
+`ScalingConfig(num_workers=ray.num_workers, use_gpu=auto)`, torch.distributed over gloo on CPU (the loops
+average gradients with `icrl_core.distributed`), `FailureConfig(max_failures=ray.max_failures)`: when a worker
+dies, Ray restarts the worker group and the loop resumes from the last checkpoint reported through
+`ray.train.report` (`ray.train.get_checkpoint()`).
+
+Local Ray by default (started on 127.0.0.1 with `ray.num_cpus` CPUs and no dashboard); an existing cluster when
+`ray.address` is set. Each job gets a unique run name, so Ray never silently resumes an older run.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
 
-def run_ray_training(config, stage, train_worker, tracker=None) -> dict:
-    raise NotImplementedError("Ray Train execution is not wired yet: set ray.enabled=false")
+from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
+from icrl_core.config import PipelineConfig, RayConfig
+from tasks.env import DEFAULTS as ENV_DEFAULTS
+
+log = logging.getLogger(__name__)
+
+RAY_DIR = Path(".icrl")
+FINAL_KEY = "icrl_final_metrics"
+
+
+def ensure_ray(cfg: RayConfig) -> None:
+    """Connect to `cfg.address`, or start a local Ray bound to 127.0.0.1 (once per process)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env_vars = {k: os.environ.get(k, v) for k, v in ENV_DEFAULTS.items()}
+    runtime_env = {"env_vars": env_vars}
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env=runtime_env, logging_level=logging.WARNING)
+        return
+    for key, value in ENV_DEFAULTS.items():  # local workers inherit the driver's environment
+        os.environ.setdefault(key, value)
+    temp_dir = (RAY_DIR / "ray").resolve()
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    # No dashboard (it would need ray[default] and another port); Ray's own INFO/WARNING chatter from its
+    # actors (e.g. the placement-group cleaner, which polls the dashboard's state API) is silenced.
+    ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
+             _temp_dir=str(temp_dir), runtime_env=runtime_env, logging_level=logging.WARNING,
+             log_to_driver=True)
+
+
+def _use_gpu(cfg: RayConfig) -> bool:
+    if cfg.use_gpu == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return bool(cfg.use_gpu)
+
+
+class RayRuntime:
+    """The runtime of a stage loop inside a Ray Train worker (see tasks/runtime.py for the contract).
+
+    Every rank must call `report`/`save_checkpoint` at the same steps (Ray's report is a barrier)."""
+
+    def __init__(self, checkpoint_dir: Path, tracker=None, keep_checkpoints: int = 2):
+        import ray.train
+
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.tracker = tracker
+        self.keep_checkpoints = keep_checkpoints
+
+    def report(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.rank == 0 and self.tracker is not None:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def save_checkpoint(self, state: TrainingState) -> None:
+        import ray.train
+
+        checkpoint = None
+        if self.rank == 0:
+            # The same verified folder serves a restart of the whole stage (local folder) and a worker
+            # restart inside the job (Ray copies it into its storage).
+            path = save_rotating(self.checkpoint_dir, state, keep=self.keep_checkpoints)
+            checkpoint = ray.train.Checkpoint.from_directory(str(path))
+        ray.train.report({"step": state.step}, checkpoint=checkpoint)
+
+    def load_latest_checkpoint(self) -> TrainingState | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as folder:
+                log.info("rank %d resuming from Ray checkpoint %s", self.rank, folder)
+                return read_checkpoint(folder)
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return None
+        log.info("rank %d resuming from %s", self.rank, path)
+        return read_checkpoint(path)
+
+
+def _train_loop(loop_config: dict) -> None:
+    """Runs in every Ray Train worker."""
+    import importlib
+
+    import ray.train
+
+    logging.getLogger("ray").setLevel(logging.WARNING)  # per-report INFO lines drown the stage's own output
+    cwd = loop_config.get("cwd")
+    if cwd and Path(cwd).is_dir():
+        os.chdir(cwd)  # stage paths are relative to the project, as on the driver
+    from tasks.tracking import Tracker
+
+    import sys
+
+    if loop_config.get("module_root") and loop_config["module_root"] not in sys.path:
+        sys.path.insert(0, loop_config["module_root"])
+    config = PipelineConfig.model_validate(loop_config["config"])
+    module_name, func_name = loop_config["train_worker"].rsplit(":", 1)
+    train_worker = getattr(importlib.import_module(module_name), func_name)
+    tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("run_id"))
+    runtime = RayRuntime(Path(loop_config["checkpoint_dir"]), tracker)
+    final = train_worker(config, runtime)
+    # Ray keeps the metrics that come with a checkpoint: hand the final metrics back that way (a small folder
+    # from rank 0), which also works when the driver is on another machine.
+    import json
+    import tempfile
+
+    if runtime.rank == 0:
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "final_metrics.json").write_text(json.dumps(final, default=str))
+            ray.train.report({FINAL_KEY: json.dumps(final, default=str)},
+                             checkpoint=ray.train.Checkpoint.from_directory(folder))
+    else:
+        ray.train.report({FINAL_KEY: "{}"})
+
+
+def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=None) -> dict:
+    """Run `train_worker` (a module-level function) as a TorchTrainer job; return rank 0's final metrics."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tasks.runtime import checkpoint_dir_for
+
+    ensure_ray(config.ray)
+    workers = config.ray.num_workers
+    cpus_per_worker = max(1, config.ray.num_cpus // workers) if not config.ray.address else 1
+    import sys
+
+    module_file = Path(sys.modules[train_worker.__module__].__file__).resolve()
+    # the folder from which the worker's module is importable (for modules not installed as packages)
+    module_root = module_file.parents[train_worker.__module__.count(".")]
+    loop_config = {
+        "module_root": str(module_root),
+        "config": config.model_dump(mode="json"),
+        "train_worker": f"{train_worker.__module__}:{train_worker.__name__}",
+        "checkpoint_dir": str(checkpoint_dir_for(config, stage).resolve()),
+        "cwd": str(Path.cwd()),
+        "tracking_uri": getattr(tracker, "uri", None),
+        "run_id": getattr(tracker, "run_id", None),
+    }
+    name = f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=_use_gpu(config.ray),
+                                     resources_per_worker={"CPU": cpus_per_worker}),
+        run_config=RunConfig(
+            name=name,
+            storage_path=str((RAY_DIR / "ray_results").resolve()),
+            failure_config=FailureConfig(max_failures=config.ray.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    log.info("Ray Train job %s: %d worker(s), %d CPU each", name, workers, cpus_per_worker)
+    result = trainer.fit()
+    if result.error is not None:
+        raise result.error
+    import json
+
+    return json.loads(result.metrics.get(FINAL_KEY, "{}"))

@@ -68,8 +68,31 @@ class LocalRuntime:
 TrainWorker = Callable[[PipelineConfig, Runtime], dict]
 
 
+CHECKPOINT_ROOT = Path(".icrl") / "checkpoints"
+
+
+def config_fingerprint(config: PipelineConfig) -> str:
+    """Hash of everything that changes a stage's result (tracking/orchestration settings excluded), so a
+    checkpoint is only resumed by a run of the same configuration."""
+    import hashlib
+    import json
+
+    tree = config.model_dump(mode="json", exclude={"tracking", "prefect", "sweep"})
+    tree["ray"] = {"num_workers": config.ray.num_workers}
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+
+
 def checkpoint_dir_for(config: PipelineConfig, stage: str) -> Path:
-    return Path(getattr(config, stage).output_dir) / "checkpoints"
+    """`.icrl/checkpoints/<stage>-<config fingerprint>`: outside the stage's output folder (DVC deletes outputs
+    before re-running a stage, checkpoints must survive a kill) and keyed by the config (a changed parameter
+    never resumes an old run). Removed when the stage completes (`clear_checkpoints`)."""
+    return CHECKPOINT_ROOT / f"{stage}-{config_fingerprint(config)[:16]}"
+
+
+def clear_checkpoints(config: PipelineConfig, stage: str) -> None:
+    import shutil
+
+    shutil.rmtree(checkpoint_dir_for(config, stage), ignore_errors=True)
 
 
 def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracker=None) -> dict:
@@ -77,9 +100,11 @@ def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracke
     if config.ray.enabled:
         from tasks.ray_train import run_ray_training
 
-        return run_ray_training(config, stage, train_worker, tracker)
-    runtime = LocalRuntime(checkpoint_dir_for(config, stage), tracker)
-    return train_worker(config, runtime)
+        result = run_ray_training(config, stage, train_worker, tracker)
+    else:
+        result = train_worker(config, LocalRuntime(checkpoint_dir_for(config, stage), tracker))
+    clear_checkpoints(config, stage)
+    return result
 
 
 def write_stage_metrics(stage: str, metrics: Mapping[str, object], root: Path | str = "metrics") -> Path:

@@ -50,37 +50,57 @@ def setup(cfg: TrackingConfig) -> Any:
 
 
 class Tracker:
-    """What a stage uses to report. A disabled tracker accepts the same calls and does nothing."""
+    """What a stage uses to report, bound to one MLflow run id (works from any process, e.g. a Ray worker,
+    given the tracking URI). A disabled tracker accepts the same calls and does nothing."""
 
-    def __init__(self, mlflow: Any | None = None, run_id: str | None = None):
-        self._mlflow = mlflow
+    def __init__(self, uri: str | None = None, run_id: str | None = None):
+        self.uri = uri
         self.run_id = run_id
+        self._client = None
+        if uri and run_id:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=uri)
 
     @property
     def enabled(self) -> bool:
-        return self._mlflow is not None
+        return self._client is not None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if self._mlflow is None:
+        if self._client is None:
             return
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and v == v}
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        clean = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
         if clean:
-            self._mlflow.log_metrics(clean, step=step)
+            self._client.log_batch(self.run_id, metrics=clean)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        if self._mlflow is not None:
-            self._mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
+        if self._client is None:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            self._client.log_batch(self.run_id, params=items[start:start + 100])
 
     def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
-        if self._mlflow is not None and Path(path).exists():
-            if Path(path).is_dir():
-                self._mlflow.log_artifacts(str(path), artifact_path=artifact_path)
-            else:
-                self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+        if self._client is None or not Path(path).exists():
+            return
+        if Path(path).is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path=artifact_path)
+        else:
+            self._client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        if self._mlflow is not None:
-            self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        if self._client is None:
+            return
+        for key, value in tags.items():
+            self._client.set_tag(self.run_id, key, str(value))
 
 
 @contextlib.contextmanager
@@ -96,6 +116,6 @@ def stage_run(config: PipelineConfig, stage: str, run_name: str | None = None,
     if parent:
         run_tags["mlflow.parentRunId"] = parent
     with mlflow.start_run(run_name=run_name or stage, tags=run_tags) as run:
-        tracker = Tracker(mlflow, run.info.run_id)
+        tracker = Tracker(tracking_uri(config.tracking), run.info.run_id)
         tracker.log_params(config_to_flat_params(config))
         yield tracker

@@ -119,3 +119,16 @@ def stage_run(config: PipelineConfig, stage: str, run_name: str | None = None,
         tracker = Tracker(tracking_uri(config.tracking), run.info.run_id)
         tracker.log_params(config_to_flat_params(config))
         yield tracker
+
+
+@contextlib.contextmanager
+def pipeline_run(config: PipelineConfig, name: str = "pipeline") -> Iterator[Tracker]:
+    """The parent MLflow run of a pipeline (stage runs started with PARENT_RUN_ENV nest under it)."""
+    if not config.tracking.enabled:
+        yield Tracker()
+        return
+    mlflow = setup(config.tracking)
+    with mlflow.start_run(run_name=name, tags={"icrl.stage": name}) as run:
+        tracker = Tracker(tracking_uri(config.tracking), run.info.run_id)
+        tracker.log_params(config_to_flat_params(config))
+        yield tracker

@@ -1,0 +1,125 @@
+"""The MLflow model registry: log a trained policy as a model version, promote it, load it back.
+
+A policy version is an MLflow pyfunc model whose artifacts are the adapter folder (safetensors) and whose
+model config names the base model spec, so `models:/<name>@champion` loads back into a working policy
+(`load_registered_policy`) or a pyfunc that answers prompts.
+
+Promotion: the new version gets the alias `champion` only when its evaluation metric beats the current
+champion's (or there is none); otherwise it gets `challenger`. The metric is stored as a version tag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from icrl_core.config import PipelineConfig
+from icrl_core.errors import UserError
+from tasks.tracking import setup, tracking_uri
+
+log = logging.getLogger(__name__)
+
+METRIC_TAG = "icrl.eval_metric"
+METRIC_NAME_TAG = "icrl.eval_metric_name"
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+# The pyfunc is logged as a model from code (this file is copied into the model), not a pickled object.
+PYFUNC_CODE = Path(__file__).with_name("policy_pyfunc.py")
+
+
+@dataclass
+class Promotion:
+    name: str
+    version: str
+    alias: str
+    metric: float
+    champion_metric: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"registered_model": self.name, "version": self.version, "alias": self.alias,
+                "metric": self.metric, "previous_champion_metric": self.champion_metric}
+
+
+def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str,
+                    run_id: str | None = None) -> str:
+    """Log the adapter as a pyfunc model in `run_id` (or a new run) and register it; return the version."""
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / "adapter.safetensors").exists():
+        raise UserError(f"{adapter_dir}: no trained adapter to register (adapter.safetensors missing)")
+    mlflow = setup(config.tracking)
+    model_config = {"model": {**config.model.model_dump(mode="json"), "init_adapter": None}}
+    with mlflow.start_run(run_id=run_id, run_name=None if run_id else "register"):
+        info = mlflow.pyfunc.log_model(
+            name="policy", python_model=str(PYFUNC_CODE), artifacts={"adapter": str(adapter_dir)},
+            model_config=model_config, pip_requirements=["icrl"],
+            registered_model_name=config.tracking.registered_model,
+        )
+    version = str(info.registered_model_version)
+    client = mlflow.MlflowClient()
+    client.set_model_version_tag(config.tracking.registered_model, version, METRIC_TAG, repr(float(metric)))
+    client.set_model_version_tag(config.tracking.registered_model, version, METRIC_NAME_TAG, metric_name)
+    return version
+
+
+def champion_metric(config: PipelineConfig) -> float | None:
+    setup(config.tracking)
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    try:
+        current = client.get_model_version_by_alias(config.tracking.registered_model, CHAMPION)
+    except mlflow.exceptions.MlflowException:
+        return None
+    value = current.tags.get(METRIC_TAG)
+    return float(value) if value is not None else None
+
+
+def promote(config: PipelineConfig, version: str, metric: float, min_improvement: float = 0.0) -> Promotion:
+    """Give `version` the alias champion if `metric` beats the current champion by more than
+    `min_improvement`, else challenger."""
+    setup(config.tracking)
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    previous = champion_metric(config)
+    alias = CHAMPION if previous is None or metric > previous + min_improvement else CHALLENGER
+    client.set_registered_model_alias(config.tracking.registered_model, alias, version)
+    log.info("model %s version %s -> %s (metric %.4f, champion %s)", config.tracking.registered_model, version,
+             alias, metric, previous)
+    return Promotion(config.tracking.registered_model, version, alias, metric, previous)
+
+
+def load_registered_policy(uri: str, tracking: str | None = None):
+    """`models:/<name>@<alias>` (or `models:/<name>/<version>`) -> a working `Policy`."""
+    import mlflow
+
+    from icrl_core.config import ModelConfig
+    from icrl_core.model import policy_from_config
+
+    if tracking:
+        mlflow.set_tracking_uri(tracking)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+    mlmodel = (local / "MLmodel").read_text()
+    import yaml
+
+    flavor = yaml.safe_load(mlmodel)["flavors"]["python_function"]
+    model_config = flavor.get("config") or flavor["model_config"]
+    adapter = next(p for p in (local / "artifacts").iterdir() if p.is_dir())
+    return policy_from_config(ModelConfig.model_validate(model_config["model"]), init_adapter=adapter)
+
+
+def run_promotion(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str,
+                  output: Path | None = Path("metrics/promote.json")) -> dict[str, Any]:
+    """Register the adapter and promote it; write the outcome to `output` (the DVC metrics file)."""
+    from tasks.runtime import write_stage_metrics
+
+    version = register_policy(config, adapter_dir, metric, metric_name)
+    result = promote(config, version, metric).as_dict()
+    result["tracking_uri"] = tracking_uri(config.tracking)
+    if output is not None:
+        write_stage_metrics(Path(output).stem, result, Path(output).parent)
+    log.info("%s", json.dumps(result))
+    return result

@@ -1,0 +1,56 @@
+"""MLflow model registry: register, promote (champion only if better), load back by alias. Real MLflow with a
+SQLite store in a temporary folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icrl_core.config import load_config
+from icrl_core.model import load_policy
+from tasks.registry import CHALLENGER, CHAMPION, load_registered_policy, run_promotion
+
+pytestmark = pytest.mark.integration
+
+
+def _adapter(tmp_path, seed):
+    from icrl_core.config import LoraAdapter
+
+    policy = load_policy("tiny", adapter=LoraAdapter(rank=4), seed=0)  # same base; the adapters differ
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    folder = tmp_path / f"adapter-{seed}"
+    policy.save_adapter(folder)
+    return policy, folder
+
+
+def test_register_promote_and_load_back_by_alias(in_tmp):
+    config = load_config(None, ["model.spec=tiny", "model.adapter={kind: lora, rank: 4}",
+                                "tracking.registered_model=icrl-test"], environ={})
+    first_policy, first = _adapter(in_tmp, 1)
+    _, second = _adapter(in_tmp, 2)
+    _, third = _adapter(in_tmp, 3)
+
+    r1 = run_promotion(config, first, 0.50, "accuracy")
+    assert r1["alias"] == CHAMPION and r1["previous_champion_metric"] is None
+    r2 = run_promotion(config, second, 0.40, "accuracy")  # worse: challenger, champion unchanged
+    assert r2["alias"] == CHALLENGER and r2["previous_champion_metric"] == 0.50
+    r3 = run_promotion(config, third, 0.60, "accuracy")  # better: new champion
+    assert r3["alias"] == CHAMPION and r3["version"] == "3"
+    assert (in_tmp / "metrics" / "promote.json").exists()
+
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    assert str(client.get_model_version_by_alias("icrl-test", CHAMPION).version) == "3"
+    assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "2"
+
+    loaded = load_registered_policy("models:/icrl-test/1")
+    ids = torch.tensor([first_policy.tokenizer.encode("hello there")])
+    with torch.no_grad():
+        assert torch.equal(loaded.forward(ids)[0], first_policy.forward(ids)[0])
+    champion = mlflow.pyfunc.load_model("models:/icrl-test@champion")
+    answers = champion.predict(["What is 2 + 2?"], params={"max_new_tokens": 4})
+    assert isinstance(answers, list) and len(answers) == 1

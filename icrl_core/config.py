@@ -153,6 +153,16 @@ class DataConfig(Section):
     ] = "gold"
     feedback_accuracy: Annotated[float, Field(ge=0, le=1, description="With exemplar_style=feedback: share of "
                                               "past attempts that were correct.")] = 0.5
+    query_support: Annotated[float, Field(ge=0, le=1, description="Probability that a query gets a support "
+                                          "exemplar: one with the same key (keyword_map: the same keyword; other "
+                                          "tasks: the same label), so its answer can be inferred from the "
+                                          "context.")] = 0.9
+    permute_labels: Annotated[bool, Field(description="Give every task/synthetic episode its own random "
+                                          "permutation of the label names, so answers can only be read from the "
+                                          "context, not memorised in the weights.")] = False
+    hard_negatives: Annotated[float, Field(ge=0, le=1, description="With rejected=sampled: probability that a "
+                                           "query's rejected answer is a wrong label that appears in the episode's "
+                                           "context (a hard negative for the reward model), when there is one.")] = 0.5
     output_dir: Annotated[Path, Field(description="Where the episodes JSONL files and dataset card go.")] = Path(
         "artifacts/dataset"
     )
@@ -161,6 +171,8 @@ class DataConfig(Section):
 class TokenizeConfig(Section):
     output_dir: Annotated[Path, Field(description="Where the tokenized Parquet file (named by content hash) "
                                       "goes.")] = Path("artifacts/tokenized")
+    train_exemplars: Annotated[bool, Field(description="Put exemplar answers (positive ones, with feedback) in "
+                                           "the loss mask too; off: only query answers are trained.")] = True
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -181,17 +193,38 @@ class OptimFields(Section):
 
 
 class BootstrapConfig(OptimFields):
+    """Supervised bootstrap (stage 3; see docs/TRAINING_DATA.md): masked CE on answer tokens + kl_beta * KL(policy
+    || base) on the same positions."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate (LoRA: 1e-3 learned the "
+                                          "keyword_map demo in 60 steps; 3e-4 did not).")] = 1e-3
     kl_beta: Annotated[float, Field(ge=0, description="Weight of KL(policy || base) on the answer positions.")] = 0.1
+    lr_schedule: Annotated[Literal["constant", "linear"], Field(description="After warm-up: constant, or "
+                                                                "linear decay to 0 at max_steps.")] = "linear"
+    max_eval_episodes: Annotated[int | None, Field(ge=1, description="Validation episodes used at each "
+                                                   "evaluation (the first N of the val split; empty = all).")] = 64
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, checkpoints).")] = Path(
         "artifacts/bootstrap"
     )
 
 
 class RewardModelConfig(OptimFields):
+    """Reward model (stage 4; see docs/TRAINING_DATA.md): a scalar head on the base or bootstrapped model trained
+    with the Bradley-Terry loss on (prompt + preferred) vs (prompt + rejected)."""
+
+    learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate of the backbone adapter "
+                                          "(1e-3 constant reached 0.93 validation pairwise accuracy on the "
+                                          "keyword_map demo; 1e-4 to 3e-4 stalled near 0.75).")] = 1e-3
     base: Annotated[
         Literal["base", "bootstrap"],
         Field(description="Start the reward model from the base model or the bootstrapped adapter."),
     ] = "bootstrap"
+    head_learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate of the scalar head "
+                                               "(trained from scratch, so usually higher than the adapter's).")] = 1e-3
+    lr_schedule: Annotated[Literal["constant", "linear"], Field(description="After warm-up: constant, or "
+                                                                "linear decay to 0 at max_steps.")] = "constant"
+    max_eval_pairs: Annotated[int | None, Field(ge=1, description="Validation (preferred, rejected) pairs used at "
+                                                "each evaluation (the first N; empty = all).")] = 128
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter + head, checkpoints).")] = Path(
         "artifacts/reward_model"
     )
@@ -238,18 +271,34 @@ RewardSource = Annotated[Union[TaskReward, ModelReward, MixedReward], Field(disc
 
 
 class PPOConfig(OptimFields):
+    """PPO in ICRL mode (stage 5; see docs/PPO.md). One step = one PPO iteration: roll out `rollout_episodes`
+    episodes, then `epochs` passes over them in minibatches."""
+
     learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate.")] = 2e-5
+    batch_size: Annotated[int, Field(ge=1, description="Episodes generated together in one batched rollout "
+                                     "(and scored together in the no-grad passes); bounds memory.")] = 8
+    grad_accum: Annotated[int, Field(ge=1, description="PPO minibatches accumulated per optimizer step.")] = 1
+    max_steps: Annotated[int, Field(ge=1, description="PPO iterations (rollout + update) to run.")] = 60
+    warmup_steps: Annotated[int, Field(ge=0, description="Linear learning-rate warm-up, in PPO iterations.")] = 0
+    save_steps: Annotated[int, Field(ge=1, description="Write an atomic checkpoint every this many PPO "
+                                     "iterations (and after the last).")] = 5
+    eval_steps: Annotated[int, Field(ge=1, description="Answer eval_episodes validation episodes greedily every "
+                                     "this many PPO iterations.")] = 20
+    eval_episodes: Annotated[int, Field(ge=0, description="Validation episodes answered greedily at each "
+                                        "evaluation and at the end (0: no evaluation).")] = 16
     epochs: Annotated[int, Field(ge=1, description="PPO epochs over each rollout batch.")] = 4
     rollout_episodes: Annotated[int, Field(ge=1, description="Episodes rolled out per PPO iteration.")] = 8
-    minibatch_size: Annotated[int, Field(ge=1, description="Sequences per PPO minibatch.")] = 4
+    minibatch_size: Annotated[int, Field(ge=1, description="Episodes per PPO minibatch (one forward/backward "
+                                         "pass).")] = 4
     kl_beta: Annotated[float, Field(ge=0, description="Per-token KL penalty coefficient to the reference "
                                     "policy (the initial value when kl_control is adaptive).")] = 0.01
     kl_control: KLControl = Field(default_factory=FixedKL, description="Fixed or adaptive KL coefficient.")
     entropy_beta: Annotated[float, Field(ge=0, description="Entropy bonus coefficient.")] = 0.01
-    epsilon_mixture: Annotated[float, Field(ge=0, le=1, description="Probability that a generated token is drawn "
+    epsilon_mixture: Annotated[float, Field(ge=0, lt=1, description="Probability that a generated token is drawn "
                                             "from the exploration distribution instead of the policy.")] = 0.1
     exploration_temperature: Annotated[float, Field(gt=0, description="Temperature of the exploration "
-                                                    "distribution (flattened policy).")] = 2.0
+                                                    "distribution (flattened policy), on top of "
+                                                    "ppo.temperature.")] = 2.0
     exploration_top_k: Annotated[int, Field(ge=1, description="The exploration distribution is restricted to "
                                             "the policy's top-k tokens.")] = 20
     clip_range: Annotated[float, Field(gt=0, lt=1, description="PPO ratio clip epsilon.")] = 0.2
@@ -257,24 +306,46 @@ class PPOConfig(OptimFields):
     vf_coef: Annotated[float, Field(ge=0, description="Value loss coefficient.")] = 0.5
     gamma: Annotated[float, Field(ge=0, le=1, description="Discount.")] = 1.0
     gae_lambda: Annotated[float, Field(ge=0, le=1, description="GAE lambda.")] = 0.95
+    whiten_advantages: Annotated[bool, Field(description="Normalise advantages to mean 0, std 1 over each "
+                                             "rollout batch.")] = True
     value_head: Annotated[bool, Field(description="Use a value head (critic). Off: values are 0 and advantages "
                                       "are whitened returns.")] = True
     reward: RewardSource = Field(default_factory=TaskReward, description="Where rewards come from.")
     reward_model_path: Annotated[Path | None, Field(description="Folder of a trained reward model (adapter + "
                                                     "head); needed when reward uses the model.")] = None
+    feedback_in_context: Annotated[bool, Field(description="After each answered query, write the task reward "
+                                               "feedback ('X' is the correct answer! / The answer 'X' is wrong!) "
+                                               "into the context before the next query, as in-context RL "
+                                               "does. Matters only with several queries per episode.")] = False
     max_new_tokens: Annotated[int, Field(ge=1, le=512, description="Tokens generated per query.")] = 8
-    temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the policy in rollouts.")] = 1.0
+    temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the policy in rollouts "
+                                        "(the trained policy is softmax(logits / temperature)).")] = 1.0
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, value head, checkpoints).")] = Path(
         "artifacts/ppo"
     )
 
 
 class AdaptConfig(Section):
+    """Test-time adaptation (stage 6; see docs/PPO.md): for one request episode, leave-one-out rollouts over its
+    exemplars, a few LoRA steps on the best-scored ones (a temporary copy of the adapter), then answer."""
+
+    adapter: Annotated[Path | None, Field(description="Adapter folder the requests are answered with (left "
+                                          "untouched). Default: ppo.output_dir/adapter if it exists, else "
+                                          "model.init_adapter, else a fresh LoRA.")] = None
+    requests_file: Annotated[Path | None, Field(description="Episodes JSONL of requests. Default: "
+                                                "data.output_dir/val.jsonl.")] = None
     num_rollouts: Annotated[int, Field(ge=1, description="Synthetic rollouts sampled per held-out exemplar.")] = 4
     steps: Annotated[int, Field(ge=0, description="LoRA steps on the best rollouts.")] = 4
     learning_rate: Annotated[float, Field(gt=0, description="Learning rate of the adaptation steps.")] = 1e-4
     temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the synthetic rollouts.")] = 1.0
+    max_new_tokens: Annotated[int, Field(ge=1, le=512, description="Tokens generated per answer.")] = 8
+    reward: RewardSource = Field(default_factory=TaskReward, description="How synthetic rollouts are scored "
+                                 "(their answers are known: the held-out exemplar's answer).")
+    reward_model_path: Annotated[Path | None, Field(description="Reward model folder when reward uses the "
+                                                    "model. Default: ppo.reward_model_path.")] = None
     num_requests: Annotated[int, Field(ge=1, description="Validation episodes adapted to in the adapt stage.")] = 4
+    save_steps: Annotated[int, Field(ge=1, description="Checkpoint the finished requests every this many "
+                                     "requests.")] = 2
     output_dir: Annotated[Path, Field(description="Stage output folder (report).")] = Path("artifacts/adapt")
 
 
@@ -283,13 +354,28 @@ class AdaptConfig(Section):
 
 
 class EvalConfig(Section):
+    """The in-context RL evaluation protocol (Monea et al., 2024): `icrl eval`, `icrl max-examples`."""
+
     task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`).")] = "keyword_map"
+    source: Annotated[
+        Literal["dir", "hub", "disk"],
+        Field(description="Where a real task's data comes from: 'dir' = data.tasks_dir/<task>/ (icrl-tasks "
+              "format); 'hub' = the Hugging Face dataset named in the task's SOURCE.md (needs network or the "
+              "local HF cache); 'disk' = a DatasetDict saved with save_to_disk at disk_path. Synthetic tasks "
+              "ignore this."),
+    ] = "dir"
+    disk_path: Annotated[Path | None, Field(description="With source=disk: folder of the saved DatasetDict "
+                                            "(splits train/test, the hub dataset's columns).")] = None
     strategy: Annotated[
         Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
-        Field(description="How the context is built from past episodes."),
+        Field(description="How the context is built from past episodes: zero_shot (none), naive (most recent), "
+              "naive_plus (most recent positive), explorative (random subset of positives, p_keep), approximate "
+              "(max_contexts growing contexts), icl (supervised upper bound: random subset of gold-labelled "
+              "episodes)."),
     ] = "explorative"
-    icrl: Annotated[bool, Field(description="In-context RL (model's own predictions + rewards). Off: supervised "
-                                "ICL with gold labels and no feedback.")] = True
+    icrl: Annotated[bool | None, Field(description="In-context RL: the context shows the model's own predictions "
+                                       "and rewards. false: supervised ICL (gold labels, no feedback, no training "
+                                       "predictions). Default: false for strategy icl, true otherwise.")] = None
     temperature: Annotated[float, Field(ge=0, description="Sampling temperature of constrained decoding "
                                         "(0 = greedy).")] = 1.0
     p_keep: Annotated[float, Field(gt=0, le=1, description="Probability that a past episode is kept "
@@ -297,21 +383,69 @@ class EvalConfig(Section):
     max_contexts: Annotated[int, Field(ge=1, description="Number of contexts of the approximate strategy.")] = 8
     approximate_sampling: Annotated[
         Literal["uniform", "likelihood"],
-        Field(description="How the approximate strategy picks a context each step."),
+        Field(description="How the approximate strategy picks a context each step: uniformly, or in proportion "
+              "to the probability of the context (the paper's 'exact')."),
     ] = "uniform"
     omit_feedback: Annotated[bool, Field(description="Leave the reward feedback out of the context.")] = False
-    flip_feedback_prob: Annotated[float, Field(ge=0, le=1, description="Probability that a reward is flipped.")] = 0.0
-    max_examples: Annotated[int | None, Field(ge=0, description="Cap on in-context episodes. Default: computed "
-                                              "from the model's context window.")] = None
+    flip_feedback_prob: Annotated[float, Field(ge=0, le=1, description="Probability that the feedback shown in "
+                                               "context is flipped (0 = never; the paper's --icrl_flip_feedback "
+                                               "with --icrl_flip_feedback_prob).")] = 0.0
+    max_examples: Annotated[int | None, Field(ge=0, description="Cap on in-context episodes. Default: the largest "
+                                              "number whose longest prompts fit context_window.")] = None
+    context_window: Annotated[int | None, Field(ge=64, description="Token window the prompts must fit when "
+                                                "max_examples is computed. Default: the model's context "
+                                                "window.")] = None
     train_k: Annotated[int, Field(ge=1, description="Training steps (queries answered).")] = 200
-    test_every: Annotated[int, Field(ge=1, description="Evaluate on the test queries every this many steps.")] = 50
+    test_every: Annotated[int, Field(ge=1, description="Evaluate on the test queries at step 0, at every step t "
+                                     "with (t+1) % test_every == 0, and at the last step.")] = 50
     test_k: Annotated[int, Field(ge=1, description="Test queries per evaluation.")] = 50
-    seed: Annotated[int, Field(description="Seed of decoding and context sampling.")] = 100
-    training_seed: Annotated[int, Field(description="Seed of the training query order.")] = 100
-    test_seed: Annotated[int, Field(description="Seed of the test query selection.")] = 100
+    seed: Annotated[int, Field(ge=0, description="Seed of decoding, context sampling and feedback flips (each step t "
+                               "uses seed + t).")] = 100
+    training_seed: Annotated[int, Field(ge=0, description="Seed of the training query order.")] = 100
+    test_seed: Annotated[int, Field(ge=0, description="Seed of the test query selection.")] = 100
     debug_k: Annotated[int, Field(ge=0, description="Print the full prompt of the first k steps.")] = 0
+    reuse_cache: Annotated[bool, Field(description="Reuse the key/value cache of shared prompt prefixes (exact). "
+                                       "false: recompute every prompt from scratch (the reference baseline; "
+                                       "slow).")] = True
+    cache_entries: Annotated[int | None, Field(ge=1, description="Prompts whose key/value cache is kept. "
+                                               "Default: max_contexts + 1 for approximate, else 2.")] = None
+    batch_tokens: Annotated[int, Field(ge=16, description="Test queries are packed into passes of about this "
+                                       "many new tokens over the shared context cache.")] = 1024
+    chunk_tokens: Annotated[int, Field(ge=16, description="New context tokens are computed in passes of at most "
+                                       "this many tokens.")] = 1024
+    expand: Annotated[
+        Literal["auto", "trie", "path"],
+        Field(description="Constrained decoding: 'trie' scores every label token in the query's pass (tree "
+              "attention); 'path' feeds only the sampled tokens, one pass per branching level (cheaper with "
+              "many labels); 'auto' picks trie when it adds <= 32 tokens per query."),
+    ] = "auto"
+    threads: Annotated[int, Field(ge=0, description="torch CPU threads (0 = torch's default). On a shared "
+                                  "machine 1 thread per process can be much faster than 2.")] = 0
+    log_every: Annotated[int, Field(ge=1, description="Log running train metrics to MLflow every this many "
+                                    "steps.")] = 10
+    run_name: Annotated[str | None, Field(description="Run folder name under output_dir. Default: "
+                                          "<task>-<strategy>-seed<seed>.")] = None
     output_dir: Annotated[Path, Field(description="Where run folders (step log, metrics, plot) go.")] = Path(
         "artifacts/icrl_eval"
+    )
+
+
+class EvaluateConfig(Section):
+    """The pipeline's `evaluate` stage: in-context RL (icrl_eval settings) of the base model and of the trained
+    policy on the same seeds, plus the forgetting check; its metric decides promotion."""
+
+    adapter: Annotated[Path, Field(description="Trained adapter folder evaluated against the base "
+                                   "model.")] = Path("artifacts/ppo/adapter")
+    strategies: Annotated[list[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"]],
+                          Field(min_length=1, description="Strategies run for both models.")] = ["explorative"]
+    forgetting_questions: Annotated[int, Field(ge=0, le=500, description="General-ability questions asked to "
+                                               "both models (0 = skip the forgetting check).")] = 40
+    metric: Annotated[str, Field(description="Key of metrics/evaluate.json that decides promotion (higher is "
+                                 "better).")] = "trained_final_test_accuracy"
+    max_forgetting: Annotated[float, Field(ge=0, le=1, description="Promotion also requires the general-ability "
+                                           "accuracy to drop by at most this much.")] = 0.02
+    output_dir: Annotated[Path, Field(description="Stage output folder (runs, plot, report).")] = Path(
+        "artifacts/evaluate"
     )
 
 
@@ -403,6 +537,7 @@ class PipelineConfig(Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     icrl_eval: EvalConfig = Field(default_factory=EvalConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
@@ -434,18 +569,20 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def deep_merge(base: dict, update: Mapping) -> dict:
-    """Merge `update` into a copy of `base`; nested dicts merge, everything else is replaced.
+def deep_merge(base: dict, update: Mapping, path: str = "") -> dict:
+    """Merge `update` into a copy of `base`; nested sections merge, everything else is replaced.
 
     A dict that changes the `kind` of a discriminated section replaces the section instead of merging into it,
-    so `--set ppo.kl_control.kind=adaptive` does not keep keys of the old variant."""
+    so `--set ppo.kl_control.kind=adaptive` does not keep keys of the old variant; a mapping-valued field
+    (e.g. sweep.search_space) is replaced as a whole."""
     out = dict(base)
     for key, value in update.items():
         old = out.get(key)
-        if isinstance(old, dict) and isinstance(value, Mapping) and old.get("kind", value.get("kind")) == value.get(
-            "kind", old.get("kind")
-        ):
-            out[key] = deep_merge(old, value)
+        where = f"{path}.{key}" if path else str(key)
+        same_kind = isinstance(old, dict) and isinstance(value, Mapping) and old.get(
+            "kind", value.get("kind")) == value.get("kind", old.get("kind"))
+        if same_kind and where not in _MAPPING_FIELDS:
+            out[key] = deep_merge(old, value, where)
         else:
             out[key] = dict(value) if isinstance(value, Mapping) else value
     return out
@@ -548,6 +685,24 @@ def _all_tags() -> set[str]:
 
 
 _TAGS = _all_tags()
+
+
+def _mapping_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
+    """Dotted paths of dict-typed fields (replaced, not merged, by overrides)."""
+    model = model or PipelineConfig
+    found = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if get_origin(annotation) is Annotated:
+            annotation = get_args(annotation)[0]
+        if get_origin(annotation) is dict:
+            found.add(prefix + name)
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found |= _mapping_fields(annotation, f"{prefix}{name}.")
+    return found
+
+
+_MAPPING_FIELDS = _mapping_fields()
 
 
 def _holder_of(loc: tuple) -> type[BaseModel] | None:

@@ -180,3 +180,137 @@ def load_task(name: str, tasks_dir: Path | str, seed: int = 0) -> Classification
     if name.removesuffix(UNSEMANTIC) in REAL_TASKS:
         return load_task_from_dir(name, tasks_dir)
     raise UserError(f"unknown task '{name}'; available: {', '.join(available_tasks())}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Hugging Face Hub path: the datasets the paper loads (ids from each task folder's SOURCE.md), converted to the
+# same Examples. `load_task_from_hub` needs network access or the local HF cache; `load_task_from_disk` reads a
+# DatasetDict saved with `save_to_disk` (how tests and offline users exercise the same conversion).
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    """Where a task lives on the Hub and how its rows become (text, label name)."""
+
+    dataset_id: str
+    config: str | None
+    label_column: str
+    text_column: str = "text"
+    drop_labels: tuple[str, ...] = ()
+    test_fraction: float | None = None  # split train/test ourselves (the paper's train_test_split(seed=0))
+
+
+HUB_SPECS: dict[str, HubSpec] = {
+    "banking77": HubSpec("PolyAI/banking77", None, "label"),
+    "clinc150": HubSpec("clinc/clinc_oos", "plus", "intent", drop_labels=("oos",)),
+    "trec_coarse": HubSpec("CogComp/trec", None, "coarse_label"),
+    "trec_fine": HubSpec("CogComp/trec", None, "fine_label"),
+    "nlu": HubSpec("xingkunliuxtracta/nlu_evaluation_data", None, "label", test_fraction=0.2),
+}
+
+
+def paper_label_text(label: str) -> str:
+    """The paper's label text when no label_map.tsv is at hand: 'Refund_not_showing_up' -> 'refund not showing
+    up'. (label_map.tsv, when present, is authoritative: TREC's 'DESC:manner' needs it.)"""
+    return label.replace("_", " ").rstrip("?").strip().lower()
+
+
+def task_from_dataset_dict(name: str, dataset, label_map: dict[str, str] | None = None) -> ClassificationTask:
+    """A task from a `datasets.DatasetDict` shaped like the Hub dataset of `name` (or its `_unsemantic`
+    variant): label ids become the dataset's label names (ClassLabel), then the paper's label text."""
+    base = name.removesuffix(UNSEMANTIC)
+    if base not in HUB_SPECS:
+        raise UserError(f"task '{base}' has no Hub source; Hub tasks: {', '.join(HUB_SPECS)}")
+    spec = HUB_SPECS[base]
+    if spec.test_fraction is not None and "test" not in dataset:
+        dataset = dataset["train"].train_test_split(test_size=spec.test_fraction, seed=0)
+    for split in ("train", "test"):
+        if split not in dataset:
+            raise UserError(f"the dataset of '{base}' has no '{split}' split (found: {', '.join(dataset)})")
+        missing = {spec.text_column, spec.label_column} - set(dataset[split].column_names)
+        if missing:
+            raise UserError(f"the '{split}' split of '{base}' lacks column(s) {sorted(missing)}")
+    feature = dataset["train"].features[spec.label_column]
+    names = list(getattr(feature, "names", None) or [])
+
+    def name_of(value) -> str:
+        return names[value] if names and isinstance(value, int) else str(value)
+
+    def text_of(label: str) -> str:
+        return label_map[label] if label_map and label in label_map else paper_label_text(label)
+
+    def rows(split: str) -> list[Example]:
+        data = dataset[split]
+        out = []
+        for text, value in zip(data[spec.text_column], data[spec.label_column]):
+            label = name_of(value)
+            if label not in spec.drop_labels:
+                out.append(Example(text=text, label=text_of(label)))
+        return out
+
+    train, test = rows("train"), rows("test")
+    if names:  # every label of the dataset, in its id order (or label_map's paper order when given)
+        labels = [text_of(n) for n in names if n not in spec.drop_labels]
+        if label_map:
+            order = {text: i for i, text in enumerate(label_map.values())}
+            labels.sort(key=lambda t: order.get(t, len(order)))
+    else:
+        labels = [t for lb, t in (label_map or {}).items() if lb not in spec.drop_labels]
+        labels += sorted({e.label for e in train + test} - set(labels))
+    task = ClassificationTask(base, labels, train, test, template_for(base))
+    return make_unsemantic(task) if name.endswith(UNSEMANTIC) else task
+
+
+def _optional_label_map(name: str, tasks_dir: Path | str | None) -> dict[str, str] | None:
+    if tasks_dir is None:
+        return None
+    path = Path(tasks_dir) / name.removesuffix(UNSEMANTIC) / "label_map.tsv"
+    return _read_label_map(path.parent) if path.exists() else None
+
+
+def load_task_from_hub(name: str, tasks_dir: Path | str | None = None) -> ClassificationTask:
+    """A real task from the Hugging Face Hub (the id in its SOURCE.md), via `datasets.load_dataset`. Offline
+    (HF_DATASETS_OFFLINE=1, the default here) only the local HF cache is used. Label text comes from
+    `tasks_dir/<task>/label_map.tsv` when it exists."""
+    base = name.removesuffix(UNSEMANTIC)
+    if base not in HUB_SPECS:
+        raise UserError(f"task '{base}' has no Hub source; Hub tasks: {', '.join(HUB_SPECS)}")
+    import datasets
+
+    spec = HUB_SPECS[base]
+    try:
+        dataset = datasets.load_dataset(spec.dataset_id, spec.config)
+    except Exception as exc:  # offline, not cached, or the Hub refused
+        raise UserError(f"cannot load '{spec.dataset_id}' from the Hugging Face Hub ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}); use source=dir with data.tasks_dir, or source=disk") from None
+    return task_from_dataset_dict(name, dataset, _optional_label_map(name, tasks_dir))
+
+
+def load_task_from_disk(name: str, path: Path | str, tasks_dir: Path | str | None = None) -> ClassificationTask:
+    """A real task from a DatasetDict saved with `save_to_disk` (same columns as the Hub dataset)."""
+    import datasets
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no saved dataset here (expected a folder written by DatasetDict.save_to_disk)")
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise UserError(f"{path}: not a saved dataset ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if isinstance(dataset, datasets.Dataset):
+        dataset = datasets.DatasetDict({"train": dataset})
+    return task_from_dataset_dict(name, dataset, _optional_label_map(name, tasks_dir))
+
+
+def load_task_from_source(name: str, source: str, tasks_dir: Path | str, seed: int = 0,
+                          disk_path: Path | str | None = None) -> ClassificationTask:
+    """`load_task` with a choice of where real tasks come from: 'dir' (tasks_dir), 'hub' or 'disk'."""
+    if name in SYNTHETIC_TASKS or source == "dir":
+        return load_task(name, tasks_dir, seed=seed)
+    if source == "hub":
+        return load_task_from_hub(name, tasks_dir)
+    if source == "disk":
+        if disk_path is None:
+            raise UserError("source=disk needs a disk_path (a folder written by DatasetDict.save_to_disk)")
+        return load_task_from_disk(name, disk_path, tasks_dir)
+    raise UserError(f"unknown task source '{source}' (dir, hub, disk)")

@@ -1,7 +1,228 @@
-"""CLI commands of the in-context RL evaluation harness (filled in by the evaluation harness)."""
+"""CLI commands of the in-context RL evaluation harness: `icrl eval`, `icrl max-examples`, `icrl count-tokens`,
+`icrl plot`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can set any key."""
 
-from __future__ import annotations
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config
+
+Strategy = Enum("Strategy", {s: s for s in ("zero_shot", "naive", "naive_plus", "explorative", "approximate",
+                                             "icl")}, type=str)
+Sampling = Enum("Sampling", {s: s for s in ("uniform", "likelihood")}, type=str)
+Source = Enum("Source", {s: s for s in ("dir", "hub", "disk")}, type=str)
+Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16")}, type=str)
 
 
-def register(app) -> None:
-    return None
+def _flag_overrides(**flags) -> dict:
+    """Nested config tree from the flags that were given (None = not given)."""
+    keys = {"model": "model.spec", "dtype": "model.dtype", "tracking": "tracking.enabled",
+            "tasks_dir": "data.tasks_dir"}
+    tree: dict = {}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        if isinstance(value, Enum):
+            value = value.value
+        if isinstance(value, Path):
+            value = str(value)
+        section, key = keys.get(name, f"icrl_eval.{name}").split(".")
+        tree.setdefault(section, {})[key] = value
+    return tree
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_command(
+        task: Annotated[Optional[str], typer.Option(help="Task (see `icrl tasks`): banking77, clinc150, "
+                                                    "trec_coarse, trec_fine, nlu, <task>_unsemantic, keyword_map, "
+                                                    "modular_sum.", show_default=False)] = None,
+        strategy: Annotated[Optional[Strategy], typer.Option(help="Context strategy (the paper's "
+                                                              "--context_strategy_name).", show_default=False)] = None,
+        temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature of constrained decoding "
+                                                             "(0 = greedy).", min=0, show_default=False)] = None,
+        p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode (explorative, "
+                                                        "approximate; the paper's --context_p_keep).",
+                                                        show_default=False)] = None,
+        max_examples: Annotated[Optional[int], typer.Option(help="Cap on in-context episodes (the paper's "
+                                                            "--max_context_examples). Default: computed from the "
+                                                            "context window.", min=0, show_default=False)] = None,
+        context_window: Annotated[Optional[int], typer.Option(help="Window the prompts must fit when the cap is "
+                                                              "computed. Default: the model's.", min=64,
+                                                              show_default=False)] = None,
+        icrl: Annotated[Optional[bool], typer.Option("--icrl/--no-icrl", help="In-context RL (own predictions + "
+                                                     "rewards) or supervised ICL (gold labels). Default: ICL for "
+                                                     "--strategy icl, else ICRL.", show_default=False)] = None,
+        omit_feedback: Annotated[Optional[bool], typer.Option("--omit-feedback/--no-omit-feedback",
+                                                              help="Leave reward feedback out of the context (the "
+                                                              "paper's --icrl_omit_feedback).",
+                                                              show_default=False)] = None,
+        flip_feedback_prob: Annotated[Optional[float], typer.Option(help="Flip the feedback shown in context with "
+                                                                    "this probability (the paper's "
+                                                                    "--icrl_flip_feedback + prob; 0 = off).",
+                                                                    min=0, max=1, show_default=False)] = None,
+        max_contexts: Annotated[Optional[int], typer.Option(help="Contexts kept by the approximate strategy.",
+                                                            min=1, show_default=False)] = None,
+        approximate_sampling: Annotated[Optional[Sampling], typer.Option(help="How the approximate strategy "
+                                                                         "picks a context: uniform or likelihood "
+                                                                         "(the paper's 'exact').",
+                                                                         show_default=False)] = None,
+        train_k: Annotated[Optional[int], typer.Option(help="Training steps.", min=1, show_default=False)] = None,
+        test_every: Annotated[Optional[int], typer.Option(help="Test at step 0, whenever (step+1) % N == 0, and "
+                                                          "at the last step.", min=1, show_default=False)] = None,
+        test_k: Annotated[Optional[int], typer.Option(help="Test queries per evaluation.", min=1,
+                                                      show_default=False)] = None,
+        seed: Annotated[Optional[int], typer.Option(help="Seed of decoding, context sampling and flips.",
+                                                    show_default=False)] = None,
+        training_seed: Annotated[Optional[int], typer.Option(help="Seed of the training query order.",
+                                                             show_default=False)] = None,
+        test_seed: Annotated[Optional[int], typer.Option(help="Seed of the test query selection.",
+                                                         show_default=False)] = None,
+        debug_k: Annotated[Optional[int], typer.Option(help="Print the full prompt of the first k steps.", min=0,
+                                                       show_default=False)] = None,
+        source: Annotated[Optional[Source], typer.Option(help="Where real task data comes from: dir "
+                                                         "(data.tasks_dir), hub (Hugging Face), disk "
+                                                         "(--disk-path).", show_default=False)] = None,
+        disk_path: Annotated[Optional[Path], typer.Option(help="With --source disk: a DatasetDict saved with "
+                                                          "save_to_disk.", show_default=False)] = None,
+        tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
+                                                          show_default=False)] = None,
+        model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, "
+                                                     "a folder or a HF id.", show_default=False)] = None,
+        dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype (float32 is exact; bfloat16 faster).",
+                                                       show_default=False)] = None,
+        reuse_cache: Annotated[Optional[bool], typer.Option("--reuse-cache/--no-reuse-cache",
+                                                            help="Reuse KV caches of shared prefixes (exact); "
+                                                            "--no-reuse-cache recomputes every prompt.",
+                                                            show_default=False)] = None,
+        threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (0 = default).", min=0,
+                                                       show_default=False)] = None,
+        run_name: Annotated[Optional[str], typer.Option(help="Run folder name under icrl_eval.output_dir "
+                                                        "(default <task>-<strategy>-seed<seed>).",
+                                                        show_default=False)] = None,
+        output_dir: Annotated[Optional[Path], typer.Option(help="Parent folder of run folders.",
+                                                           show_default=False)] = None,
+        tracking: Annotated[Optional[bool], typer.Option("--tracking/--no-tracking", help="Log to MLflow "
+                                                         "(tracking.enabled).", show_default=False)] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue the run folder of a killed run from its "
+                                             "last logged step.")] = False,
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+    ) -> None:
+        """Measure in-context RL (Monea et al., 2024): each step the model answers a training query with
+        constrained decoding, is rewarded, and the episode joins its history; test accuracy is measured at step
+        0, every --test-every steps and at the end. Writes a run folder (steps.jsonl, tests.jsonl,
+        metrics.json, learning_curve.png) and logs to MLflow."""
+        from tasks.icrl_eval import evaluate
+
+        extra = _flag_overrides(
+            task=task, strategy=strategy, temperature=temperature, p_keep=p_keep, max_examples=max_examples,
+            context_window=context_window, icrl=icrl, omit_feedback=omit_feedback,
+            flip_feedback_prob=flip_feedback_prob, max_contexts=max_contexts,
+            approximate_sampling=approximate_sampling, train_k=train_k, test_every=test_every, test_k=test_k,
+            seed=seed, training_seed=training_seed, test_seed=test_seed, debug_k=debug_k, source=source,
+            disk_path=disk_path, tasks_dir=tasks_dir, model=model, dtype=dtype, reuse_cache=reuse_cache,
+            threads=threads, run_name=run_name, output_dir=output_dir, tracking=tracking)
+        config = resolve_config(params, overrides, extra=extra)
+        out = console()
+
+        def show_test(record: dict) -> None:
+            out.print(f"step {record['step']:>6}: test accuracy {record['accuracy']:.3f} "
+                      f"({record['seconds']:.1f}s, context {record['context_size']} episodes)")
+
+        def echo(text: str) -> None:  # prompts verbatim: no wrapping, no rich markup
+            out.print(text, soft_wrap=True, markup=False, highlight=False)
+
+        metrics = evaluate(config, resume=resume, progress=progress, echo=echo, on_test=show_test)
+        _print_summary(metrics)
+
+    @app.command("max-examples")
+    def max_examples_command(
+        task: Annotated[Optional[str], typer.Option(help="Task (default: icrl_eval.task).",
+                                                    show_default=False)] = None,
+        model: Annotated[Optional[str], typer.Option(help="Model spec whose tokenizer and window are used "
+                                                     "(default: model.spec).", show_default=False)] = None,
+        window: Annotated[Optional[int], typer.Option(help="Token window (default: icrl_eval.context_window, "
+                                                      "else the model's).", min=64, show_default=False)] = None,
+        icrl: Annotated[Optional[bool], typer.Option("--icrl/--no-icrl", help="Count ICRL episodes (prediction + "
+                                                     "feedback) or supervised ones (gold answer only).",
+                                                     show_default=False)] = None,
+        omit_feedback: Annotated[Optional[bool], typer.Option("--omit-feedback/--no-omit-feedback",
+                                                              help="ICRL episodes without the feedback turn.",
+                                                              show_default=False)] = None,
+        tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
+                                                          show_default=False)] = None,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+    ) -> None:
+        """How many in-context episodes fit the model's context window (the paper's
+        find_max_examples_given_max_window): binary search on n so that n of the longest queries, each with the
+        longest label and feedback, plus the longest query and answer, fit the window."""
+        from icrl_core.icrl_eval import is_supervised, max_context_examples, show_for
+        from tasks.icrl_eval import load_eval_task, load_tokens_and_window
+
+        extra = _flag_overrides(task=task, model=model, icrl=icrl, omit_feedback=omit_feedback, tasks_dir=tasks_dir)
+        config = resolve_config(params, overrides, extra=extra)
+        cfg = config.icrl_eval
+        tokens, model_window = load_tokens_and_window(config.model.spec, config.model.cache_dir)
+        task_obj = load_eval_task(config)
+        size = window or cfg.context_window or model_window
+        n = max_context_examples(task_obj, tokens, show_for(cfg), size)
+        mode = ("supervised ICL" if is_supervised(cfg) else
+                "ICRL without feedback" if cfg.omit_feedback else "ICRL")
+        console().print(f"{task_obj.name} with {config.model.spec} ({mode}): {n} in-context episodes fit a "
+                        f"{size}-token window")
+        typer.echo(n)
+
+    @app.command("count-tokens")
+    def count_tokens_command(
+        run_dirs: Annotated[list[Path], typer.Argument(help="Run folders of `icrl eval`.", show_default=False)],
+    ) -> None:
+        """Tokens each run fed through the model (with key/value reuse) and what recomputing every prompt would
+        have fed (the paper's run_count_tokens.py counts the same thing)."""
+        from rich.table import Table
+
+        from tasks.icrl_eval import count_tokens
+
+        table = Table("run", "steps", "tokens computed", "per step", "prompt tokens (no reuse)", "reuse factor")
+        for run_dir in run_dirs:
+            c = count_tokens(run_dir)
+            table.add_row(run_dir.name, str(c["steps"]), f"{c['tokens_computed']:,}", f"{c['tokens_per_step']:.0f}",
+                          f"{c['prompt_tokens']:,}", f"{c['reuse_factor']:.1f}x")
+        console().print(table)
+
+    @app.command("plot")
+    def plot_command(
+        run_dirs: Annotated[list[Path], typer.Argument(help="Run folders of `icrl eval` to compare.",
+                                                       show_default=False)],
+        output: Annotated[Path, typer.Option(help="PNG file to write.")] = Path("learning_curves.png"),
+        title: Annotated[Optional[str], typer.Option(help="Figure title.", show_default=False)] = None,
+        label: Annotated[Optional[list[str]], typer.Option(help="Legend label per run, in order (repeatable). "
+                                                           "Default: each run's strategy.",
+                                                           show_default=False)] = None,
+    ) -> None:
+        """Compare runs in one figure, paper style: test accuracy vs step (one line per run) above cumulative
+        regret."""
+        from icrl_core.errors import UserError
+        from tasks.icrl_eval import plot_learning_curves
+
+        for run_dir in run_dirs:
+            if not (run_dir / "tests.jsonl").exists():
+                raise UserError(f"{run_dir}: no tests.jsonl (not an icrl eval run folder)")
+        if label and len(label) != len(run_dirs):
+            raise UserError(f"{len(label)} --label value(s) for {len(run_dirs)} run(s)")
+        path = plot_learning_curves(run_dirs, output, title=title, labels=label)
+        console().print(f"wrote {path}")
+
+
+def _print_summary(metrics: dict) -> None:
+    out = console()
+    parts = [f"run folder: {metrics['run_dir']}"]
+    if metrics.get("train_accuracy") is not None:
+        parts.append(f"train accuracy {metrics['train_accuracy']:.3f}, regret {metrics['regret']}")
+    parts.append("test accuracy: " + ", ".join(f"step {k}: {v:.3f}" for k, v in metrics["test_accuracy"].items()))
+    parts.append(f"tokens processed {metrics['tokens_processed']:,}; {metrics['seconds']:.1f}s in steps and tests")
+    out.print("\n".join(parts))

@@ -1,0 +1,588 @@
+"""The in-context RL protocol of Monea et al. (2024), "LLMs Are In-Context Reinforcement Learners".
+
+Each step t:
+  1. draw training query x_t (a fixed shuffled stream, `training_seed`);
+  2. build a context from past episodes with the strategy (its randomness: numpy `default_rng(seed + t)`, as the
+     paper's context generators do);
+  3. predict a label y_t by constrained decoding: only valid label token sequences followed by end-of-turn, each
+     token sampled from softmax(logits[valid children] / T) (T = 0: argmax);
+  4. reward r_t = 1[y_t == gold]; the feedback shown in context is r_t, flipped with probability
+     `flip_feedback_prob` (draw: `default_rng(seed + t).random()`, as the paper does), or left out
+     (`omit_feedback`);
+  5. at step 0, whenever (t + 1) % test_every == 0, and at the last step, predict the `test_k` test queries with
+     the same context (test predictions never enter the history);
+  6. append the episode (x_t, y_t, feedback) to the history.
+Supervised ICL (`icrl` off) shows gold labels without feedback and makes no training predictions.
+
+Everything here is pure: the model is reached through `icrl_core.kernels` (cached prefixes, tree-packed
+candidate scoring). The protocol is a generator of step and test events; `tasks/icrl_eval.py` writes them.
+Everything a resumed run needs is in its step log: strategies are replayed from the history (their random draws
+are seeded per step), so a resumed run makes the same choices as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from icrl_core.chat import Conversation, Tokens
+from icrl_core.config import EvalConfig
+from icrl_core.errors import UserError
+from icrl_core.kernels import ROOT, LabelTrie, PrefixCache, TreeScorer, chain_nodes
+from icrl_core.prompting import PromptTemplate
+from icrl_core.task_data import ClassificationTask, Example
+
+# Independent random streams of constrained decoding (numpy SeedSequence entropy [seed + step, stream, index]).
+# The context and flip draws use default_rng(seed + step) itself, exactly like the paper.
+TRAIN_DECODE_STREAM = 1
+TEST_DECODE_STREAM = 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# History
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """One past step: the query, the model's prediction, its true reward and the feedback shown in context.
+    In supervised ICL `prediction`, `reward` and `feedback` are None (the gold label is shown instead)."""
+
+    step: int
+    query: str
+    gold: str
+    prediction: str | None
+    reward: int | None
+    feedback: int | None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Context strategies (src/icl/context_generators.py of lil-lab/icrl). One registry, small objects.
+
+
+def _usable(record: EpisodeRecord, supervised: bool) -> bool:
+    """Only-positive strategies keep episodes whose shown feedback is positive; gold episodes always count."""
+    return supervised or record.feedback == 1
+
+
+@dataclass
+class Strategy:
+    """Chooses which past episodes (history indices, in time order) form the context at a step."""
+
+    max_examples: int
+    seed: int
+    supervised: bool = False
+
+    def select(self, history: Sequence[EpisodeRecord], step: int) -> list[int]:
+        raise NotImplementedError
+
+
+@dataclass
+class ZeroShot(Strategy):
+    """No context at all."""
+
+    def select(self, history, step):
+        return []
+
+
+@dataclass
+class Naive(Strategy):
+    """All past episodes, the most recent `max_examples` (the paper's random_biased_end with p_keep=1)."""
+
+    only_positive: bool = False
+
+    def select(self, history, step):
+        kept = [i for i, r in enumerate(history) if not self.only_positive or _usable(r, self.supervised)]
+        return kept[-self.max_examples:] if self.max_examples else []
+
+
+@dataclass
+class NaivePlus(Naive):
+    """Naive over positive episodes only (use a higher temperature to explore)."""
+
+    only_positive: bool = True
+
+
+@dataclass
+class Explorative(Strategy):
+    """The paper's random_unbiased_only_positive: keep each positive episode with probability p_keep (one
+    binomial draw per episode), shuffle the kept ones, take the first `max_examples`, restore time order."""
+
+    p_keep: float = 0.1
+    only_positive: bool = True
+
+    def select(self, history, step):
+        rng = np.random.default_rng(self.seed + step)
+        candidates = [i for i, r in enumerate(history) if not self.only_positive or _usable(r, self.supervised)]
+        keep = rng.binomial(1, self.p_keep, size=len(candidates))
+        chosen = rng.permutation(np.flatnonzero(keep == 1))[:self.max_examples]
+        return [candidates[i] for i in np.sort(chosen)]
+
+
+@dataclass
+class SupervisedICL(Explorative):
+    """The paper's ICL runs (random_unbiased, p_keep=1): a random subset of at most `max_examples` past episodes,
+    in time order, all of them shown with their gold label."""
+
+    p_keep: float = 1.0
+    only_positive: bool = False
+
+
+@dataclass
+class Approximate(Strategy):
+    """The paper's approximate_only_positive: `max_contexts` contexts grow over time; each new positive episode
+    joins each non-full context with probability p_keep, and a context's log-probability accumulates
+    log p_keep or log(1 - p_keep) for each such draw. One context is used per step, chosen uniformly or with
+    probability proportional to exp(log-probability) ('likelihood', the paper's 'exact').
+
+    Deviation: the paper re-offers its most recent *positive* episode at every step, so after a negative step a
+    context can receive the same episode twice; here only the episode of the previous step is offered, once."""
+
+    p_keep: float = 0.1
+    max_contexts: int = 8
+    sampling: str = "uniform"
+    contexts: list[list[int]] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    _offered: int = 0  # history length already offered to the contexts
+
+    def __post_init__(self):
+        self.contexts = [[] for _ in range(self.max_contexts)]
+        self.log_probs = [0.0] * self.max_contexts
+
+    def select(self, history, step):
+        if not 0 <= len(history) - self._offered <= 1:
+            raise RuntimeError("Approximate.select must see every step in order (replay the history on resume)")
+        rng = np.random.default_rng(self.seed + step)
+        if history and len(history) > self._offered:
+            index = len(history) - 1
+            if _usable(history[index], self.supervised):
+                for c, context in enumerate(self.contexts):
+                    if len(context) >= self.max_examples:
+                        continue
+                    if rng.binomial(1, self.p_keep):
+                        context.append(index)
+                        self.log_probs[c] += math.log(self.p_keep)
+                    else:
+                        self.log_probs[c] += math.log1p(-self.p_keep) if self.p_keep < 1 else -math.inf
+            self._offered = len(history)
+        self.chosen = self._choose(rng)
+        return list(self.contexts[self.chosen])
+
+    def _choose(self, rng) -> int:
+        if self.sampling == "uniform":
+            return int(rng.choice(range(self.max_contexts)))
+        logp = np.asarray(self.log_probs)
+        probs = np.exp(logp - np.logaddexp.reduce(logp))
+        return int(rng.choice(range(self.max_contexts), p=probs))
+
+
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "zero_shot": ZeroShot,
+    "naive": Naive,
+    "naive_plus": NaivePlus,
+    "explorative": Explorative,
+    "approximate": Approximate,
+    "icl": SupervisedICL,
+}
+
+
+def is_supervised(cfg: EvalConfig) -> bool:
+    """Supervised ICL (gold labels, no feedback, no training predictions): strategy 'icl' or icrl=false."""
+    if cfg.strategy == "icl":
+        if cfg.icrl is True:
+            raise UserError("icrl_eval.strategy=icl is supervised ICL; it cannot run with icrl_eval.icrl=true")
+        return True
+    return cfg.icrl is False
+
+
+def make_strategy(cfg: EvalConfig, max_examples: int) -> Strategy:
+    supervised = is_supervised(cfg)
+    common = dict(max_examples=max_examples, seed=cfg.seed, supervised=supervised)
+    if cfg.strategy == "explorative":
+        return Explorative(**common, p_keep=cfg.p_keep)
+    if cfg.strategy == "approximate":
+        return Approximate(**common, p_keep=cfg.p_keep, max_contexts=cfg.max_contexts,
+                           sampling=cfg.approximate_sampling)
+    return STRATEGIES[cfg.strategy](**common)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt rendering: the same Conversation pieces as icrl_core.episodes._render (training episodes)
+
+
+@dataclass(frozen=True)
+class Show:
+    """What the context shows of each past episode."""
+
+    system_with_feedback: bool  # ICRL system prompt (also with omitted feedback, as in the paper)
+    answer: str                 # 'prediction' (ICRL) or 'gold' (supervised)
+    feedback: bool              # a feedback user turn after each prediction
+
+
+def show_for(cfg: EvalConfig) -> Show:
+    if cfg.strategy == "zero_shot":
+        return Show(False, "gold", False)
+    if is_supervised(cfg):
+        return Show(False, "gold", False)
+    return Show(True, "prediction", not cfg.omit_feedback)
+
+
+def render_context(tokens: Tokens, template: PromptTemplate, episodes: Sequence[EpisodeRecord],
+                   show: Show) -> tuple[list[int], bool]:
+    """(token ids of system prompt + context episodes, whether the last user message is still open)."""
+    conv = Conversation(tokens, separator=template.separator)
+    conv.system(template.system(show.system_with_feedback))
+    for record in episodes:
+        answer = record.prediction if show.answer == "prediction" else record.gold
+        conv.user(template.query(record.query))
+        conv.assistant_answer(template.answer_prefix, answer)
+        if show.feedback:
+            conv.user(template.feedback(answer, record.feedback))
+    return conv.ids, conv.user_open
+
+
+def render_query(tokens: Tokens, template: PromptTemplate, query: str, user_open: bool) -> list[int]:
+    """Token ids appended after a context: the query (joining an open feedback message) and the assistant turn
+    opened up to the answer prefix ('Intent:'). Candidates continue from here."""
+    conv = Conversation(tokens, separator=template.separator, user_open=user_open)
+    conv.user(template.query(query))
+    conv.assistant_prompt(template.answer_prefix)
+    return conv.ids
+
+
+def candidate_sequences(tokens: Tokens, template: PromptTemplate, labels: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each label as the paper's constrained decoding sees it: ' label' + end-of-turn."""
+    conv = Conversation(tokens)
+    return [conv.answer_ids(template.answer_prefix, label) for label in labels]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Maximum number of in-context episodes (the paper's find_maximum_number_examples)
+
+
+def max_context_examples(task: ClassificationTask, tokens: Tokens, show: Show, window: int) -> int:
+    """Largest n such that a context of the n longest queries (train and test), each answered with the longest
+    label and followed by the longer feedback, plus the longest query and the longest answer, fits `window`
+    tokens. Binary search, as the paper's find_max_examples_given_max_window (which keeps a 5% margin and
+    adds 1; here the fit is exact because every position is computed by us)."""
+    template = task.template
+    texts = sorted({e.text for e in task.train + task.test},
+                   key=lambda t: (-len(tokens.encode(template.query(t))), t))
+    answers = candidate_sequences(tokens, template, task.labels)
+    longest_label = task.labels[max(range(len(answers)), key=lambda i: len(answers[i]))]
+    longest_answer = max(len(a) for a in answers)
+    feedback = max((0, 1), key=lambda r: len(tokens.encode(template.feedback(longest_label, r))))
+
+    def prompt_length(n: int) -> int:
+        episodes = [EpisodeRecord(i, texts[i], longest_label, longest_label, feedback, feedback) for i in range(n)]
+        ids, user_open = render_context(tokens, template, episodes, show)
+        return len(ids) + len(render_query(tokens, template, texts[0], user_open)) + longest_answer
+
+    if prompt_length(0) > window:
+        raise UserError(f"even a prompt without context ({prompt_length(0)} tokens) does not fit the window "
+                        f"of {window} tokens")
+    low, high = 0, len(texts)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if prompt_length(mid) <= window:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Constrained decoding over a cached context
+
+
+def child_distribution(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """p = softmax(logits / T) over the allowed children (T = 0: all mass on the argmax)."""
+    if temperature == 0:
+        p = np.zeros(len(logits))
+        p[int(np.argmax(logits))] = 1.0
+        return p
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def sample_child(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """Index of the chosen child: argmax when T = 0, else one uniform draw inverted through the CDF of
+    softmax(logits / T) (one draw per decision keeps the streams independent of batching)."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    cdf = np.cumsum(child_distribution(logits, temperature))
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def needed_nodes(trie: LabelTrie) -> list[int]:
+    """Inner trie nodes whose hidden state is needed: those with a branching node at or below them. A chain that
+    never branches again is decided already, so it is not fed."""
+    branching_below = [False] * len(trie.token)
+    for node in reversed(range(1, len(trie.token))):
+        if len(trie.children[node]) > 1:
+            branching_below[node] = True
+        if branching_below[node] and trie.parent[node] > 0:
+            branching_below[trie.parent[node]] = True
+    return [n for n in trie.inner_nodes if branching_below[n]]
+
+
+@dataclass
+class Prediction:
+    label: int
+    prob: float  # probability of the whole label under constrained decoding at the given temperature
+
+
+def decode_batch(scorer: TreeScorer, queries: Sequence[Sequence[int]], trie: LabelTrie, temperature: float,
+                 rngs: Sequence[np.random.Generator], expand: str) -> list[Prediction]:
+    """Constrained decoding of several queries appended after one cached context.
+
+    expand='trie': one pass feeds every query and its needed trie nodes (each query's trie hangs under its last
+    token); then the walk down the trie reads logits that are all computed already.
+    expand='path': one pass feeds the queries; each further pass feeds, per unfinished query, the chosen token
+    chain down to its next branching node. Cheaper than the full trie when there are many labels."""
+    needed = needed_nodes(trie) if expand == "trie" else []
+    nodes: list[tuple[int, int]] = []
+    where: list[dict[int, int]] = []  # per query: trie node -> scorer node id
+    for query in queries:
+        first = len(scorer) + len(nodes)
+        nodes += chain_nodes(query, first)
+        placed = {ROOT: first + len(query) - 1}
+        for trie_node in needed:
+            placed[trie_node] = len(scorer) + len(nodes)
+            nodes.append((trie.token[trie_node], placed[trie.parent[trie_node]]))
+        where.append(placed)
+    scorer.extend(nodes)
+
+    current = [ROOT] * len(queries)
+    probs = [1.0] * len(queries)
+    done = [False] * len(queries)
+    while not all(done):
+        # Decide every query that has logits at its current node.
+        pending = [q for q in range(len(queries)) if not done[q]]
+        ready = [q for q in pending if current[q] in where[q]]
+        if ready:
+            kids = [trie.children[current[q]] for q in ready]
+            logits = scorer.candidate_logits([where[q][current[q]] for q in ready],
+                                              [[trie.token[k] for k in ks] for ks in kids])
+            for q, ks, lg in zip(ready, kids, logits):
+                pick = 0
+                if len(ks) > 1:  # one child: nothing to decide (and no draw)
+                    values = lg.double().numpy()
+                    pick = sample_child(values, temperature, rngs[q])
+                    probs[q] *= float(child_distribution(values, temperature)[pick])
+                node = ks[pick]
+                while len(trie.children[node]) == 1:  # forced: only one way on
+                    node = trie.children[node][0]
+                current[q] = node
+                done[q] = trie.is_leaf(node)
+            continue
+        # expand == 'path': feed the chosen chains down to each query's next branching node.
+        feed: list[tuple[int, int]] = []
+        for q in pending:
+            chain = []
+            node = current[q]
+            while node not in where[q]:
+                chain.append(node)
+                node = trie.parent[node]
+            for trie_node in reversed(chain):
+                where[q][trie_node] = len(scorer) + len(feed)
+                feed.append((trie.token[trie_node], where[q][trie.parent[trie_node]]))
+        scorer.extend(feed)
+    return [Prediction(trie.label_of_leaf[node], prob) for node, prob in zip(current, probs)]
+
+
+def choose_expand(trie: LabelTrie, expand: str) -> str:
+    """'auto': the full trie when it adds at most 32 nodes per query, else token paths."""
+    if expand != "auto":
+        return expand
+    return "trie" if len(needed_nodes(trie)) <= 32 else "path"
+
+
+@dataclass
+class Predictor:
+    """Constrained decoding of the task's labels after cached contexts."""
+
+    policy: object
+    tokens: Tokens
+    template: PromptTemplate
+    labels: list[str]
+    cache: PrefixCache
+    temperature: float
+    expand: str = "auto"
+    batch_tokens: int = 1024
+    trie: LabelTrie = field(init=False)
+
+    def __post_init__(self):
+        self.trie = LabelTrie.build(candidate_sequences(self.tokens, self.template, self.labels))
+        self.expand = choose_expand(self.trie, self.expand)
+        self._per_query_nodes = len(needed_nodes(self.trie)) if self.expand == "trie" else self.trie.max_depth
+
+    def predict(self, context_ids: Sequence[int], user_open: bool, queries: Sequence[str],
+                rngs: Sequence[np.random.Generator]) -> tuple[list[Prediction], int]:
+        """(predictions, tokens computed). Queries are packed into passes of about `batch_tokens` new tokens over
+        one cached context; without reuse each query recomputes the whole prompt (the reference baseline)."""
+        query_ids = [render_query(self.tokens, self.template, q, user_open) for q in queries]
+        batches: list[list[int]] = [[]]
+        budget = 0
+        for i, ids in enumerate(query_ids):
+            cost = len(ids) + self._per_query_nodes
+            if batches[-1] and (budget + cost > self.batch_tokens or not self.cache.reuse):
+                batches.append([])
+                budget = 0
+            batches[-1].append(i)
+            budget += cost
+        predictions: list[Prediction | None] = [None] * len(queries)
+        computed = 0
+        for batch in batches:
+            entry, n_prefix = self.cache.prepare(context_ids)
+            computed += n_prefix
+            with TreeScorer(self.policy, entry.cache, len(context_ids)) as scorer:
+                out = decode_batch(scorer, [query_ids[i] for i in batch], self.trie, self.temperature,
+                                   [rngs[i] for i in batch], self.expand)
+                computed += scorer.computed
+            for i, pred in zip(batch, out):
+                predictions[i] = pred
+        return predictions, computed
+
+
+def decode_rng(seed: int, step: int, stream: int, index: int = 0) -> np.random.Generator:
+    return np.random.default_rng([seed + step, stream, index])
+
+
+def flip_draw(seed: int, step: int) -> float:
+    """The paper's generate_random_float(seed + step)."""
+    return float(np.random.default_rng(seed + step).random())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The protocol
+
+
+@dataclass
+class StepEvent:
+    step: int
+    query: str
+    gold: str
+    prediction: str | None
+    reward: int | None
+    feedback: int | None
+    prob: float | None
+    context: list[int]          # history indices (= steps) of the in-context episodes
+    context_tokens: int         # tokens of system prompt + context
+    prompt_tokens: int          # context + query: what recomputing the whole prompt would feed
+    tokens_computed: int        # tokens fed through the model for this step (new prefix + query + candidates)
+    seconds: float
+
+    def to_record(self) -> EpisodeRecord:
+        return EpisodeRecord(self.step, self.query, self.gold, self.prediction, self.reward, self.feedback)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EvaluationEvent:
+    step: int
+    accuracy: float
+    predictions: list[str]
+    context_size: int
+    context_tokens: int
+    prompt_tokens: int          # sum over test queries of context + query tokens (the no-reuse cost)
+    tokens_computed: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DebugEvent:
+    step: int
+    prompt: str
+
+
+def evaluation_steps(train_k: int, test_every: int) -> list[int]:
+    """Step 0, every step t with (t + 1) % test_every == 0 (the paper's rule), and the last step."""
+    steps = {0, train_k - 1} | {t for t in range(train_k) if (t + 1) % test_every == 0}
+    return sorted(s for s in steps if 0 <= s < train_k)
+
+
+def history_from_events(events: Sequence[dict]) -> list[EpisodeRecord]:
+    """The history from logged step events (resume)."""
+    return [EpisodeRecord(e["step"], e["query"], e["gold"], e["prediction"], e["reward"], e["feedback"])
+            for e in events]
+
+
+def run_protocol(predictor: Predictor, task: ClassificationTask, cfg: EvalConfig, max_examples: int,
+                 history: Sequence[EpisodeRecord] = (), clock: Callable[[], float] = time.perf_counter,
+                 ) -> Iterator[StepEvent | EvaluationEvent | DebugEvent]:
+    """Run (or continue, given the logged `history`) the protocol; yield each step's events as they happen:
+    an EvaluationEvent (at test steps) before its StepEvent. The strategy is replayed over the given history."""
+    supervised = is_supervised(cfg)
+    show = show_for(cfg)
+    train: list[Example] = task.training_stream(cfg.train_k, cfg.training_seed)
+    test: list[Example] = task.test_set(cfg.test_k, cfg.test_seed)
+    strategy = make_strategy(cfg, max_examples)
+    history = list(history)
+    for step, record in enumerate(history):  # replay: stateful strategies see every step again
+        if record.step != step or record.query != train[step].text:
+            raise UserError(f"the step log does not match this configuration at step {step} (different task, "
+                            "train_k or training_seed?)")
+        strategy.select(history[:step], step)
+    tests = set(evaluation_steps(cfg.train_k, cfg.test_every))
+    tokens, template = predictor.tokens, predictor.template
+    for step in range(len(history), cfg.train_k):
+        started = clock()
+        example = train[step]
+        context = strategy.select(history, step)
+        context_ids, user_open = render_context(tokens, template, [history[i] for i in context], show)
+        prediction = reward = feedback = prob = None
+        computed = 0
+        if not supervised:
+            (pred,), computed = predictor.predict(context_ids, user_open, [example.text],
+                                                  [decode_rng(cfg.seed, step, TRAIN_DECODE_STREAM)])
+            prediction, prob = task.labels[pred.label], pred.prob
+            reward = int(prediction == example.label)
+            feedback = reward
+            if cfg.flip_feedback_prob > 0 and flip_draw(cfg.seed, step) < cfg.flip_feedback_prob:
+                feedback = 1 - reward
+        query_ids = render_query(tokens, template, example.text, user_open)
+        if step < cfg.debug_k:
+            yield DebugEvent(step, tokens.decode(list(context_ids) + query_ids))
+        step_seconds = clock() - started
+        if step in tests:
+            test_started = clock()
+            rngs = [decode_rng(cfg.seed, step, TEST_DECODE_STREAM, i) for i in range(len(test))]
+            preds, test_computed = predictor.predict(context_ids, user_open, [e.text for e in test], rngs)
+            labels = [task.labels[p.label] for p in preds]
+            accuracy = sum(lb == e.label for lb, e in zip(labels, test)) / len(test)
+            test_prompt = sum(len(context_ids) + len(render_query(tokens, template, e.text, user_open))
+                              for e in test)
+            yield EvaluationEvent(step, accuracy, labels, len(context), len(context_ids), test_prompt, test_computed,
+                            clock() - test_started)
+        event = StepEvent(step, example.text, example.label, prediction, reward, feedback, prob, context,
+                          len(context_ids), len(context_ids) + len(query_ids), computed, step_seconds)
+        history.append(event.to_record())
+        yield event
+
+
+def summarize(steps: Sequence[dict], tests: Sequence[dict]) -> dict:
+    """Run metrics: running train accuracy, regret (cumulative errors), test accuracy at each evaluation,
+    tokens processed and wall time (from the logged events)."""
+    rewards = [s["reward"] for s in steps if s.get("reward") is not None]
+    return {
+        "steps": len(steps),
+        "train_accuracy": (sum(rewards) / len(rewards)) if rewards else None,
+        "regret": (len(rewards) - sum(rewards)) if rewards else None,
+        "test_accuracy": {int(t["step"]): t["accuracy"] for t in tests},
+        "final_test_accuracy": tests[-1]["accuracy"] if tests else None,
+        "tokens_processed": sum(s["tokens_computed"] for s in steps) + sum(t["tokens_computed"] for t in tests),
+        "train_tokens_processed": sum(s["tokens_computed"] for s in steps),
+        "test_tokens_processed": sum(t["tokens_computed"] for t in tests),
+        "seconds": sum(s["seconds"] for s in steps) + sum(t["seconds"] for t in tests),
+    }

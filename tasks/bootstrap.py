@@ -1,0 +1,123 @@
+"""Stage `bootstrap`: supervised training on the answer tokens of the tokenized episodes with a KL(policy ||
+base) penalty (icrl_core/supervised.py).
+
+Outputs (rank 0, atomic): bootstrap.output_dir/adapter/ (policy.save_adapter), metrics.json, history.json (every
+step's metrics, for `dvc plots`), curves.png; metrics/bootstrap.json; MLflow params, step metrics, the adapter and
+the curves. Resumes from the last checkpoint after a kill (the runtime finds it); a corrupt checkpoint is refused
+(CheckpointError, exit code 2).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from icrl_core.config import PipelineConfig
+
+STAGE = "bootstrap"
+
+
+class ProgressRuntime:
+    """Wraps a runtime with a progress bar (rank 0 only) that advances on every `report`."""
+
+    def __init__(self, runtime, total: int, desc: str, keys: tuple[str, ...] = ("loss",)):
+        from tqdm.auto import tqdm
+
+        self._runtime = runtime
+        self._keys = keys
+        self._bar = tqdm(total=total, desc=desc, unit="step", disable=runtime.rank != 0)
+
+    def __getattr__(self, name):  # rank, world_size, checkpoint_dir, ...
+        return getattr(self._runtime, name)
+
+    def report(self, metrics: Mapping[str, float], step: int) -> None:
+        self._runtime.report(metrics, step)
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self._keys if k in metrics}, refresh=False)
+
+    def save_checkpoint(self, state) -> None:
+        self._runtime.save_checkpoint(state)
+
+    def load_latest_checkpoint(self):
+        state = self._runtime.load_latest_checkpoint()
+        if state is not None:
+            self._bar.update(state.step)
+            self._bar.write(f"resuming from checkpoint at step {state.step}", file=sys.stderr)
+        return state
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]], title: str) -> None:
+    """history.json (one record per step, for `dvc plots`) and curves.png (one panel per group of keys)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from icrl_core.io import atomic_write_bytes, atomic_write_json
+    from icrl_core.supervised import finite
+
+    atomic_write_json(folder / "history.json", [finite(h) for h in history])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    for ax, (name, keys) in zip(axes[0], panels.items()):
+        for key in keys:
+            points = [(h["step"], h[key]) for h in history if key in h]
+            if points:
+                ax.plot(*zip(*points), marker="o" if key.startswith("val_") else None, markersize=3, label=key)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(folder / "curves.png", buffer.getvalue())
+
+
+def train_worker(config: PipelineConfig, runtime) -> dict:
+    from icrl_core.model import policy_from_config
+    from icrl_core.supervised import finite, train_bootstrap
+    from icrl_core.tokenized import read_tokenized
+
+    cfg = config.bootstrap
+    rows = read_tokenized(config.tokenize.output_dir)
+    train = [r for r in rows if r.split == "train"]
+    val = [r for r in rows if r.split == "val"]
+    policy = policy_from_config(config.model, seed=config.seed)
+    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy"))
+    try:
+        metrics, history = train_bootstrap(policy, train, val, cfg, config.seed, progress)
+    finally:
+        progress.close()
+    if runtime.rank == 0:
+        out = Path(cfg.output_dir)
+        policy.save_adapter(out / "adapter")
+        write_history(out, history, {"loss": ["loss", "ce", "val_loss", "val_ce"], "KL(policy || base)":
+                                     ["kl", "val_kl"], "validation answer accuracy": ["val_answer_accuracy"]},
+                      f"bootstrap ({config.model.spec})")
+    return finite(metrics)
+
+
+def run(config: PipelineConfig) -> dict:
+    from icrl_core.io import atomic_write_json
+    from tasks.runtime import launch, write_stage_metrics
+    from tasks.tracking import stage_run
+
+    started = time.perf_counter()
+    with stage_run(config, STAGE) as tracker:
+        metrics = launch(config, STAGE, train_worker, tracker)
+        metrics["seconds"] = round(time.perf_counter() - started, 2)
+        tracker.log_metrics({"stage_seconds": metrics["seconds"]})
+        out = Path(config.bootstrap.output_dir)
+        atomic_write_json(out / "metrics.json", metrics)
+        tracker.log_artifact(out / "adapter", "adapter")
+        tracker.log_artifact(out / "curves.png")
+    write_stage_metrics(STAGE, metrics)
+    return metrics

@@ -1,0 +1,86 @@
+"""Stage `reward_model`: a scalar head on the base or bootstrapped model trained with the Bradley-Terry loss on
+(prompt + preferred) vs (prompt + rejected) from the tokenized episodes (icrl_core/supervised.py). Output:
+reward_model.output_dir/model/ (adapter.safetensors + reward_head.safetensors + reward_model.json; load it with
+`icrl_core.reward_model.load_reward_model`, e.g. as ppo.reward_model_path), metrics.json, history.json, curves.png;
+metrics/reward_model.json; MLflow. Resumes after a kill like the bootstrap.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from icrl_core.config import PipelineConfig
+from icrl_core.errors import UserError
+
+STAGE = "reward_model"
+
+
+def model_dir(config: PipelineConfig) -> Path:
+    """Where the trained reward model goes (the path to give ppo.reward_model_path)."""
+    return Path(config.reward_model.output_dir) / "model"
+
+
+def start_adapter(config: PipelineConfig) -> Path | None:
+    """The adapter the reward model starts from: the bootstrap output, or model.init_adapter for base='base'."""
+    if config.reward_model.base == "base":
+        return config.model.init_adapter
+    adapter = Path(config.bootstrap.output_dir) / "adapter"
+    if not (adapter / "adapter.safetensors").exists():
+        raise UserError(f"reward_model.base=bootstrap but {adapter} does not exist: run `icrl stage bootstrap` "
+                        "first, or set reward_model.base=base")
+    return adapter
+
+
+def train_worker(config: PipelineConfig, runtime) -> dict:
+    import torch
+
+    from icrl_core.reward_model import new_reward_model, save_reward_model
+    from icrl_core.supervised import episode_pairs, finite, train_reward_model
+    from icrl_core.tokenized import read_tokenized
+    from tasks.bootstrap import ProgressRuntime, write_history
+
+    cfg = config.reward_model
+    rows = read_tokenized(config.tokenize.output_dir)
+    train = episode_pairs([r for r in rows if r.split == "train"])
+    val = episode_pairs([r for r in rows if r.split == "val"])
+    reward_model = new_reward_model(config.model, start_adapter(config), seed=config.seed)
+    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "accuracy", "val_pairwise_accuracy"))
+    try:
+        metrics, history = train_reward_model(reward_model, train, val, cfg, config.seed, progress)
+    finally:
+        progress.close()
+    if runtime.rank == 0:
+        stats = {}
+        if val:
+            eval_pairs = val[: cfg.max_eval_pairs]
+            rewards = reward_model.score([p.preferred for p in eval_pairs] + [p.rejected for p in eval_pairs],
+                                         batch_size=cfg.batch_size)
+            stats = {"mean": float(rewards.mean()), "std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                     "pairs": len(eval_pairs)}
+        save_reward_model(model_dir(config), reward_model, {
+            "base": cfg.base, "start_adapter": str(start_adapter(config) or ""), "reward_stats": stats,
+            "metrics": finite(metrics), "torch": torch.__version__,
+        })
+        write_history(Path(cfg.output_dir), history, {
+            "Bradley-Terry loss": ["loss", "val_loss"], "pairwise accuracy": ["accuracy", "val_pairwise_accuracy"],
+            "reward margin": ["margin", "val_margin"]}, f"reward model ({config.model.spec}, from {cfg.base})")
+    return finite(metrics)
+
+
+def run(config: PipelineConfig) -> dict:
+    from icrl_core.io import atomic_write_json
+    from tasks.runtime import launch, write_stage_metrics
+    from tasks.tracking import stage_run
+
+    started = time.perf_counter()
+    start_adapter(config)  # fail early, before any run is opened, when the bootstrap output is missing
+    with stage_run(config, STAGE) as tracker:
+        metrics = launch(config, STAGE, train_worker, tracker)
+        metrics["seconds"] = round(time.perf_counter() - started, 2)
+        tracker.log_metrics({"stage_seconds": metrics["seconds"]})
+        atomic_write_json(Path(config.reward_model.output_dir) / "metrics.json", metrics)
+        tracker.log_artifact(model_dir(config), "reward_model")
+        tracker.log_artifact(Path(config.reward_model.output_dir) / "curves.png")
+    write_stage_metrics(STAGE, metrics)
+    return metrics

@@ -1,8 +1,10 @@
-"""CLI commands of the pipeline stages: `icrl stage NAME` runs one stage from the config schema."""
+"""CLI commands of the pipeline stages: `icrl stage NAME` runs one stage from the config schema; `icrl adapt`
+adapts to one request episode at test time."""
 
 import importlib
 from enum import Enum
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -42,3 +44,69 @@ def register(app: typer.Typer) -> None:
         config = resolve_config(params, overrides)
         metrics = run_stage(name.value, config)
         console().print_json(json.dumps(metrics, default=str))
+
+    @app.command("adapt")
+    def adapt(
+        episodes: Annotated[Optional[Path], typer.Argument(
+            help="Episodes JSONL holding the request(s). Default: adapt.requests_file, else "
+            "data.output_dir/val.jsonl.", show_default=False)] = None,
+        episode_id: Annotated[Optional[str], typer.Option(
+            "--episode-id", help="Adapt to the episode with this id (default: the first --count episodes).",
+            show_default=False)] = None,
+        count: Annotated[int, typer.Option(help="Number of episodes to adapt to, from the start of the file "
+                                           "(ignored with --episode-id).", min=1)] = 1,
+        adapter: Annotated[Optional[Path], typer.Option(
+            help="Adapter folder to start from (never modified). Default: adapt.adapter, else "
+            "ppo.output_dir/adapter if it exists, else model.init_adapter, else a fresh LoRA.",
+            show_default=False)] = None,
+        output: Annotated[Optional[Path], typer.Option(help="Also write the results as JSON to this file.",
+                                                       show_default=False)] = None,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+    ) -> None:
+        """Test-time adaptation of one request episode: sample answers to its own exemplars held out one at a
+        time, take a few LoRA steps on the best-scored ones (a temporary copy of the adapter), answer the real
+        queries, and report the reward before and after. The base adapter is left untouched."""
+        from rich.table import Table
+
+        from icrl_core.adapt import adapt_and_answer
+        from icrl_core.errors import UserError
+        from icrl_core.io import atomic_write_json
+        from tasks.adapt import (adapt_scorer, adapter_digest, load_adapt_policy, load_requests, request_generator,
+                                 start_adapter, summarize)
+        from tasks.ppo import max_episode_tokens
+
+        config = resolve_config(params, overrides)
+        if adapter is not None:
+            config = config.model_copy(update={"adapt": config.adapt.model_copy(update={"adapter": adapter})})
+        requests = load_requests(config, episodes)
+        if episode_id is not None:
+            chosen = [(i, ep) for i, ep in enumerate(requests) if ep.episode_id == episode_id]
+            if not chosen:
+                raise UserError(f"no episode with id '{episode_id}' in the requests file")
+        else:
+            chosen = list(enumerate(requests))[:count]
+        start = start_adapter(config)
+        digest = adapter_digest(start)
+        policy = load_adapt_policy(config, start)
+        scorer = adapt_scorer(config)
+        out = console()
+        out.print(f"adapter: {start or 'fresh LoRA'}; {config.adapt.steps} LoRA steps on the best of "
+                  f"{config.adapt.num_rollouts} rollouts per held-out exemplar")
+        table = Table("episode", "reward before", "reward after", "answers before", "answers after",
+                      "synthetic reward", "trained on")
+        results = []
+        for index, episode in chosen:
+            result = adapt_and_answer(policy, episode, config.adapt, max_episode_tokens(config, policy),
+                                      request_generator(config.seed, index), scorer).as_dict()
+            results.append(result)
+            table.add_row(result["episode_id"], f"{result['reward_before']:.2f}", f"{result['reward_after']:.2f}",
+                          ", ".join(result["answers_before"]), ", ".join(result["answers_after"]),
+                          f"{result['synthetic_reward']:.2f}", str(result["trained_on"]))
+        out.print(table)
+        unchanged = adapter_digest(start) == digest
+        summary = {**summarize(results), "base_adapter_unchanged": unchanged}
+        out.print(f"mean reward before {summary['mean_reward_before']:.3f} -> after "
+                  f"{summary['mean_reward_after']:.3f}; base adapter unchanged: {unchanged}")
+        if output is not None:
+            atomic_write_json(output, {"summary": summary, "requests": results})

@@ -1,0 +1,134 @@
+"""Stage `ppo`: PPO in ICRL mode (icrl_core/ppo.py, icrl_core/rollout.py) on the built episodes.
+
+Inputs: data.output_dir/train.jsonl (and val.jsonl for greedy validation), the start adapter model.init_adapter,
+the reward model ppo.reward_model_path when ppo.reward uses it. Outputs (atomic, rank 0): ppo.output_dir/adapter/
+(adapter + value head, `policy.save_adapter`), history.json (per-iteration metrics), reward_curve.png,
+metrics.json; metrics/ppo.json; MLflow params, per-iteration metrics and the artifacts. A killed run resumes from
+its last checkpoint (every ppo.save_steps iterations) and ends with the same metrics as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from icrl_core.config import PipelineConfig
+from icrl_core.errors import UserError
+
+STAGE = "ppo"
+
+
+def read_split(config: PipelineConfig, split: str, required: bool):
+    from icrl_core.episodes import read_episodes
+
+    path = Path(config.data.output_dir) / f"{split}.jsonl"
+    if not path.exists():
+        if required:
+            raise UserError(f"{path}: no episodes; run `icrl stage build_dataset` first (or set data.output_dir)")
+        return []
+    return read_episodes(path)
+
+
+def load_scorer(config: PipelineConfig, reward, path: Path | None):
+    """The reward model when `reward` needs one (None otherwise)."""
+    if reward.kind == "task":
+        return None
+    if path is None:
+        raise UserError(f"reward kind '{reward.kind}' needs a reward model: set ppo.reward_model_path "
+                        "(e.g. artifacts/reward_model/reward_model)")
+    from icrl_core.reward_model import load_reward_model
+
+    return load_reward_model(path, config.model)
+
+
+def max_episode_tokens(config: PipelineConfig, policy) -> int:
+    return min(config.data.episode_tokens, policy.context_window)
+
+
+def train_worker(config: PipelineConfig, runtime) -> dict:
+    from icrl_core.model import policy_from_config
+    from icrl_core.ppo import train_ppo, zero_value_head
+    from tasks.bootstrap import ProgressRuntime
+
+    cfg = config.ppo
+    train = read_split(config, "train", required=True)
+    val = read_split(config, "val", required=False)
+    policy = policy_from_config(config.model, value_head=cfg.value_head, seed=config.seed)
+    if not any(p.requires_grad for p in policy.model.parameters()):
+        raise UserError("PPO needs trainable weights: set model.adapter.kind to lora or last_blocks")
+    init = config.model.init_adapter
+    if cfg.value_head and not (init is not None and (Path(init) / "value_head.safetensors").exists()):
+        zero_value_head(policy)  # a fresh critic (one trained by an earlier PPO run is kept)
+    scorer = load_scorer(config, cfg.reward, cfg.reward_model_path)
+    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy"))
+    try:
+        summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress,
+                                            max_episode_tokens(config, policy), scorer)
+    finally:
+        progress.close()
+    if runtime.rank == 0:
+        write_outputs(Path(cfg.output_dir), policy, history, evals)
+    return summary
+
+
+def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> None:
+    from icrl_core.io import atomic_write_json
+
+    policy.save_adapter(out / "adapter")
+    atomic_write_json(out / "history.json", {"iterations": history, "evals": evals})
+    plot_reward_curve(history, evals, out / "reward_curve.png")
+
+
+def plot_reward_curve(history: list[dict], evals: list[dict], path: Path) -> None:
+    """Mean reward per iteration (and its 5-iteration moving average), KL and validation accuracy."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from icrl_core.io import atomic_write_bytes
+
+    if not history:
+        return
+    steps = [h["step"] for h in history]
+    reward = [h["mean_reward"] for h in history]
+    window = 5
+    smooth = [sum(reward[max(0, i - window + 1):i + 1]) / len(reward[max(0, i - window + 1):i + 1])
+              for i in range(len(reward))]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(steps, reward, "o-", alpha=0.4, label="mean reward (rollouts)")
+    top.plot(steps, smooth, "-", label=f"moving average ({window})")
+    val = [(e["step"], e["val_accuracy"]) for e in evals if "val_accuracy" in e]
+    if val:
+        top.plot(*zip(*val), "s--", label="validation accuracy (greedy)")
+    top.set_ylabel("reward")
+    top.legend()
+    bottom.plot(steps, [h["kl"] for h in history], "-", label="KL to reference (per episode)")
+    bottom.plot(steps, [h["entropy"] for h in history], "-", label="entropy (per token)")
+    bottom.set_xlabel("PPO iteration")
+    bottom.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def run(config: PipelineConfig) -> dict:
+    from icrl_core.io import atomic_write_json
+    from tasks.runtime import launch, write_stage_metrics
+    from tasks.tracking import stage_run
+
+    started = time.perf_counter()
+    with stage_run(config, STAGE) as tracker:
+        metrics = launch(config, STAGE, train_worker, tracker)
+        metrics["seconds"] = round(time.perf_counter() - started, 2)
+        out = Path(config.ppo.output_dir)
+        atomic_write_json(out / "metrics.json", metrics)
+        tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        for name in ("adapter", "history.json", "reward_curve.png", "metrics.json"):
+            tracker.log_artifact(out / name, "adapter" if name == "adapter" else None)
+    write_stage_metrics(STAGE, metrics)
+    return metrics

@@ -30,9 +30,7 @@ def register(app: typer.Typer) -> None:
             if not sep:
                 raise ConfigError(f"--set expects KEY=VALUE (e.g. ppo.kl_beta=0.02), got {item!r}")
             flat[key.strip()] = parse_value(raw)
-        from flows.pipeline import pipeline_flow
-
-        results = pipeline_flow(overrides=flat or None, stages=stages or None)
+        results = _run_pipeline(overrides=flat or None, stages=stages or None)
         console().print_json(json.dumps(results, default=str))
 
     @app.command("sweep")
@@ -47,29 +45,23 @@ def register(app: typer.Typer) -> None:
 
     @app.command("promote")
     def promote(
-        adapter: Annotated[Path, typer.Option(help="Adapter folder to register (safetensors).")] = Path(
-            "artifacts/ppo/adapter"),
-        metric_file: Annotated[Path, typer.Option(help="JSON file holding the evaluation metric.")] = Path(
-            "metrics/evaluate.json"),
-        metric: Annotated[str, typer.Option(help="Key of the evaluation metric in --metric-file (higher is "
-                                            "better).")] = "trained_final_test_accuracy",
+        adapter: Annotated[Optional[Path], typer.Option(help="Adapter folder to register (safetensors). Default: "
+                                                        "evaluate.adapter.", show_default=False)] = None,
+        metric_file: Annotated[Path, typer.Option(help="JSON file with the evaluation metrics (the evaluate "
+                                                  "stage's).")] = Path("metrics/evaluate.json"),
         params: ParamsOpt = None,
         overrides: SetOpt = None,
     ) -> None:
-        """Register the adapter as a new MLflow model version and give it the alias `champion` only if its
-        metric beats the current champion's (else `challenger`). Writes metrics/promote.json."""
-        from icrl_core.errors import UserError
-        from tasks.registry import run_promotion
+        """Register the adapter as a new MLflow model version; give it the alias `champion` only if its
+        evaluate.metric beats the current champion's and it passed the forgetting check, else `challenger`.
+        Writes metrics/promote.json."""
+        from icrl_core.config import with_overrides
+        from tasks.promote import run
 
         config = resolve_config(params, overrides)
-        try:
-            value = float(json.loads(metric_file.read_text())[metric])
-        except FileNotFoundError:
-            raise UserError(f"{metric_file}: not found (run the evaluate stage first)") from None
-        except KeyError:
-            raise UserError(f"{metric_file} has no key '{metric}'") from None
-        result = run_promotion(config, adapter, value, metric)
-        console().print_json(json.dumps(result))
+        if adapter is not None:
+            config = with_overrides(config, {"evaluate.adapter": str(adapter)})
+        console().print_json(json.dumps(run(config, metric_file)))
 
     @app.command("up")
     def up(
@@ -109,3 +101,49 @@ def register(app: typer.Typer) -> None:
         finally:
             services.stop()
 
+
+def _run_pipeline(**kwargs) -> dict:
+    import os
+
+    os.environ.setdefault("PREFECT_HOME", str((Path(".icrl") / "prefect").resolve()))
+    from flows.pipeline import pipeline_flow
+
+    return pipeline_flow(**kwargs)
+
+
+def run_pipeline_with_summary(out) -> dict:
+    """`icrl demo`: the pipeline, then the numbers a user wants to see."""
+    import time
+
+    from rich.table import Table
+
+    from icrl_core.errors import UserError
+
+    if not Path("dvc.yaml").exists() or not Path("params.yaml").exists():
+        raise UserError("run `icrl demo` in the project folder (dvc.yaml and params.yaml are needed)")
+    started = time.perf_counter()
+    results = _run_pipeline()
+    seconds = time.perf_counter() - started
+    table = Table("stage", "result")
+    rows = {
+        "build_dataset": ("train_episodes", "val_episodes", "shaved_episodes"),
+        "bootstrap": ("val_answer_accuracy", "val_kl"),
+        "reward_model": ("val_pairwise_accuracy", "val_margin"),
+        "ppo": ("mean_reward_first_20pct", "mean_reward_last_20pct", "val_accuracy_before", "val_accuracy_after"),
+        "adapt": ("mean_reward_before", "mean_reward_after"),
+        "evaluate": ("base_final_test_accuracy", "trained_final_test_accuracy", "forgetting_drop"),
+        "promote": ("version", "alias", "metric"),
+    }
+    for stage, keys in rows.items():
+        metrics = results.get(stage, {})
+        shown = ", ".join(f"{k}={_fmt(metrics[k])}" for k in keys if k in metrics)
+        table.add_row(stage, shown or "(see metrics/%s.json)" % stage)
+    out.print(table)
+    out.print(f"pipeline wall time {seconds / 60:.1f} min; metrics in metrics/, artifacts in artifacts/, runs in "
+              "MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`), learning curves: "
+              "artifacts/evaluate/learning_curve.png, artifacts/ppo/reward_curve.png")
+    return results
+
+
+def _fmt(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

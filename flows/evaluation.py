@@ -12,10 +12,11 @@ from prefect.cache_policies import NO_CACHE
 @task(name="icrl-eval", task_run_name="{strategy}", cache_policy=NO_CACHE)
 def eval_task(strategy: str, overrides: dict[str, Any]) -> dict:
     from icrl_core.config import load_config, with_overrides
-    from tasks.icrl_eval import run_evaluation
+    from tasks.icrl_eval import evaluate, run_dir_for
 
     config = with_overrides(load_config("params.yaml", []), {**overrides, "icrl_eval.strategy": strategy})
-    return run_evaluation(config)
+    # A retried or re-triggered run continues its run folder instead of failing on it.
+    return evaluate(config, resume=run_dir_for(config.icrl_eval).exists(), progress=False)
 
 
 @flow(name="icrl-evaluation")

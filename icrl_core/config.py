@@ -313,6 +313,8 @@ class PPOConfig(OptimFields):
     reward: RewardSource = Field(default_factory=TaskReward, description="Where rewards come from.")
     reward_model_path: Annotated[Path | None, Field(description="Folder of a trained reward model (adapter + "
                                                     "head); needed when reward uses the model.")] = None
+    init_adapter: Annotated[Path | None, Field(description="Adapter PPO starts from (e.g. the bootstrap output "
+                                               "artifacts/bootstrap/adapter). Default: model.init_adapter.")] = None
     feedback_in_context: Annotated[bool, Field(description="After each answered query, write the task reward "
                                                "feedback ('X' is the correct answer! / The answer 'X' is wrong!) "
                                                "into the context before the next query, as in-context RL "
@@ -357,6 +359,9 @@ class EvalConfig(Section):
     """The in-context RL evaluation protocol (Monea et al., 2024): `icrl eval`, `icrl max-examples`."""
 
     task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`).")] = "keyword_map"
+    task_seed: Annotated[int | None, Field(description="Seed of a synthetic task's hidden rule (default: the "
+                                           "global seed). A seed other than the training data's gives a rule "
+                                           "the model has never seen.")] = None
     source: Annotated[
         Literal["dir", "hub", "disk"],
         Field(description="Where a real task's data comes from: 'dir' = data.tasks_dir/<task>/ (icrl-tasks "

@@ -10,46 +10,12 @@ the curves. Resumes from the last checkpoint after a kill (the runtime finds it)
 from __future__ import annotations
 
 import io
-import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 from icrl_core.config import PipelineConfig
 
 STAGE = "bootstrap"
-
-
-class ProgressRuntime:
-    """Wraps a runtime with a progress bar (rank 0 only) that advances on every `report`."""
-
-    def __init__(self, runtime, total: int, desc: str, keys: tuple[str, ...] = ("loss",)):
-        from tqdm.auto import tqdm
-
-        self._runtime = runtime
-        self._keys = keys
-        self._bar = tqdm(total=total, desc=desc, unit="step", disable=runtime.rank != 0)
-
-    def __getattr__(self, name):  # rank, world_size, checkpoint_dir, ...
-        return getattr(self._runtime, name)
-
-    def report(self, metrics: Mapping[str, float], step: int) -> None:
-        self._runtime.report(metrics, step)
-        self._bar.update(step - self._bar.n)
-        self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self._keys if k in metrics}, refresh=False)
-
-    def save_checkpoint(self, state) -> None:
-        self._runtime.save_checkpoint(state)
-
-    def load_latest_checkpoint(self):
-        state = self._runtime.load_latest_checkpoint()
-        if state is not None:
-            self._bar.update(state.step)
-            self._bar.write(f"resuming from checkpoint at step {state.step}", file=sys.stderr)
-        return state
-
-    def close(self) -> None:
-        self._bar.close()
 
 
 def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]], title: str) -> None:
@@ -90,6 +56,8 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     rows = read_tokenized(config.tokenize.output_dir)
     train = [r for r in rows if r.split == "train"]
     val = [r for r in rows if r.split == "val"]
+    from tasks.runtime import ProgressRuntime
+
     policy = policy_from_config(config.model, seed=config.seed)
     progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy"))
     try:

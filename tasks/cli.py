@@ -152,13 +152,21 @@ def model_ask(
 
 
 @app.command("demo")
-def demo() -> None:
-    """Run in-context RL (explorative) with the embedded SmolLM2-135M on the synthetic keyword_map task (a few
-    minutes on a 2-core CPU); print where the step log, metrics and learning curve went, and the test accuracy
-    at each evaluation."""
-    from tasks.icrl_eval import run_demo
+def demo(
+    quick: Annotated[bool, typer.Option("--quick", help="Only in-context RL with the base model on keyword_map "
+                                        "(about 2 minutes), not the whole pipeline.")] = False,
+) -> None:
+    """The main job on the embedded defaults: the whole pipeline (`icrl pipeline`: dataset -> tokenize ->
+    bootstrap -> reward model -> PPO -> adapt -> evaluate -> promote, through Prefect, DVC, Ray and MLflow) with
+    SmolLM2-135M + LoRA on the synthetic keyword_map task, then a summary of what it measured."""
+    if quick:
+        from tasks.icrl_eval import run_demo
 
-    run_demo(console())
+        run_demo(console())
+        return
+    from flows.cli import run_pipeline_with_summary
+
+    run_pipeline_with_summary(console())
 
 
 def _register_subcommands() -> None:

@@ -18,6 +18,8 @@ STAGES = {
     "reward_model": "tasks.reward_model",
     "ppo": "tasks.ppo",
     "adapt": "tasks.adapt",
+    "evaluate": "tasks.evaluate",
+    "promote": "tasks.promote",
 }
 
 StageName = Enum("StageName", {name: name for name in STAGES}, type=str)

@@ -213,7 +213,8 @@ def load_eval_task(config: PipelineConfig):
     from icrl_core.task_data import load_task_from_source
 
     cfg = config.icrl_eval
-    return load_task_from_source(cfg.task, cfg.source, config.data.tasks_dir, seed=config.seed,
+    seed = cfg.task_seed if cfg.task_seed is not None else config.seed
+    return load_task_from_source(cfg.task, cfg.source, config.data.tasks_dir, seed=seed,
                                  disk_path=cfg.disk_path)
 
 

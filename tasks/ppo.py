@@ -1,6 +1,7 @@
 """Stage `ppo`: PPO in ICRL mode (icrl_core/ppo.py, icrl_core/rollout.py) on the built episodes.
 
-Inputs: data.output_dir/train.jsonl (and val.jsonl for greedy validation), the start adapter model.init_adapter,
+Inputs: data.output_dir/train.jsonl (and val.jsonl for greedy validation), the start adapter ppo.init_adapter
+(default model.init_adapter),
 the reward model ppo.reward_model_path when ppo.reward uses it. Outputs (atomic, rank 0): ppo.output_dir/adapter/
 (adapter + value head, `policy.save_adapter`), history.json (per-iteration metrics), reward_curve.png,
 metrics.json; metrics/ppo.json; MLflow params, per-iteration metrics and the artifacts. A killed run resumes from
@@ -48,15 +49,17 @@ def max_episode_tokens(config: PipelineConfig, policy) -> int:
 def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.model import policy_from_config
     from icrl_core.ppo import train_ppo, zero_value_head
-    from tasks.bootstrap import ProgressRuntime
+    from tasks.runtime import ProgressRuntime
 
     cfg = config.ppo
     train = read_split(config, "train", required=True)
     val = read_split(config, "val", required=False)
-    policy = policy_from_config(config.model, value_head=cfg.value_head, seed=config.seed)
+    init = cfg.init_adapter or config.model.init_adapter
+    if init is not None and not (Path(init) / "adapter.safetensors").exists():
+        raise UserError(f"ppo.init_adapter {init}: no adapter.safetensors there (run the bootstrap stage first)")
+    policy = policy_from_config(config.model, value_head=cfg.value_head, seed=config.seed, init_adapter=init)
     if not any(p.requires_grad for p in policy.model.parameters()):
         raise UserError("PPO needs trainable weights: set model.adapter.kind to lora or last_blocks")
-    init = config.model.init_adapter
     if cfg.value_head and not (init is not None and (Path(init) / "value_head.safetensors").exists()):
         zero_value_head(policy)  # a fresh critic (one trained by an earlier PPO run is kept)
     scorer = load_scorer(config, cfg.reward, cfg.reward_model_path)

@@ -77,15 +77,17 @@ def champion_metric(config: PipelineConfig) -> float | None:
     return float(value) if value is not None else None
 
 
-def promote(config: PipelineConfig, version: str, metric: float, min_improvement: float = 0.0) -> Promotion:
-    """Give `version` the alias champion if `metric` beats the current champion by more than
-    `min_improvement`, else challenger."""
+def promote(config: PipelineConfig, version: str, metric: float, min_improvement: float = 0.0,
+            eligible: bool = True) -> Promotion:
+    """Give `version` the alias champion if it is `eligible` (it passed the other gates, e.g. the forgetting
+    check) and `metric` beats the current champion by more than `min_improvement`; else challenger."""
     setup(config.tracking)
     import mlflow
 
     client = mlflow.MlflowClient()
     previous = champion_metric(config)
-    alias = CHAMPION if previous is None or metric > previous + min_improvement else CHALLENGER
+    better = previous is None or metric > previous + min_improvement
+    alias = CHAMPION if eligible and better else CHALLENGER
     client.set_registered_model_alias(config.tracking.registered_model, alias, version)
     log.info("model %s version %s -> %s (metric %.4f, champion %s)", config.tracking.registered_model, version,
              alias, metric, previous)
@@ -112,12 +114,13 @@ def load_registered_policy(uri: str, tracking: str | None = None):
 
 
 def run_promotion(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str,
-                  output: Path | None = Path("metrics/promote.json")) -> dict[str, Any]:
+                  output: Path | None = Path("metrics/promote.json"), eligible: bool = True) -> dict[str, Any]:
     """Register the adapter and promote it; write the outcome to `output` (the DVC metrics file)."""
     from tasks.runtime import write_stage_metrics
 
     version = register_policy(config, adapter_dir, metric, metric_name)
-    result = promote(config, version, metric).as_dict()
+    result = promote(config, version, metric, eligible=eligible).as_dict()
+    result["eligible"] = eligible
     result["tracking_uri"] = tracking_uri(config.tracking)
     if output is not None:
         write_stage_metrics(Path(output).stem, result, Path(output).parent)

@@ -38,7 +38,8 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.reward_model import new_reward_model, save_reward_model
     from icrl_core.supervised import episode_pairs, finite, train_reward_model
     from icrl_core.tokenized import read_tokenized
-    from tasks.bootstrap import ProgressRuntime, write_history
+    from tasks.bootstrap import write_history
+    from tasks.runtime import ProgressRuntime
 
     cfg = config.reward_model
     rows = read_tokenized(config.tokenize.output_dir)

@@ -13,6 +13,7 @@ so the same loop runs under both, and a killed stage resumes from its last check
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,3 +113,35 @@ def write_stage_metrics(stage: str, metrics: Mapping[str, object], root: Path | 
     path = Path(root) / f"{stage}.json"
     atomic_write_json(path, dict(metrics))
     return path
+
+
+class ProgressRuntime:
+    """Wraps a runtime with a progress bar (rank 0 only) that advances on every `report`."""
+
+    def __init__(self, runtime, total: int, desc: str, keys: tuple[str, ...] = ("loss",)):
+        from tqdm.auto import tqdm
+
+        self._runtime = runtime
+        self._keys = keys
+        self._bar = tqdm(total=total, desc=desc, unit="step", disable=runtime.rank != 0)
+
+    def __getattr__(self, name):  # rank, world_size, checkpoint_dir, ...
+        return getattr(self._runtime, name)
+
+    def report(self, metrics: Mapping[str, float], step: int) -> None:
+        self._runtime.report(metrics, step)
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self._keys if k in metrics}, refresh=False)
+
+    def save_checkpoint(self, state) -> None:
+        self._runtime.save_checkpoint(state)
+
+    def load_latest_checkpoint(self):
+        state = self._runtime.load_latest_checkpoint()
+        if state is not None:
+            self._bar.update(state.step)
+            self._bar.write(f"resuming from checkpoint at step {state.step}", file=sys.stderr)
+        return state
+
+    def close(self) -> None:
+        self._bar.close()

@@ -161,7 +161,7 @@ def test_bootstrap_is_deterministic_and_resumes_bitwise(tmp_path, tokens):
         metrics, history = train_bootstrap(policy, train, val, _cfg(), seed=7, runtime=runtime)
         assert [h["step"] for h in history] == [h["step"] for h in runtime.history] == [1, 2, 3, 4, 5, 6]
         runs[name] = (metrics, policy.trainable_state_dict(), history)
-    (ma, wa, ha), (mb, wb, hb) = runs["a"], runs["b"]
+    (ma, wa, ha), (mb, wb, _) = runs["a"], runs["b"]
     assert ha[-1]["loss"] < ha[0]["loss"]  # it learns
     assert {k: v for k, v in ma.items() if k != "tokens_per_s"} == {k: v for k, v in mb.items() if k != "tokens_per_s"}
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

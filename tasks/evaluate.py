@@ -1,0 +1,88 @@
+"""Stage `evaluate`: the pipeline's verdict on the trained policy.
+
+For each strategy in `evaluate.strategies`, the in-context RL harness (tasks/icrl_eval.py, `icrl_eval.*`
+settings) runs twice on the same seeds: the base model, and the base model with the trained adapter
+(`evaluate.adapter`). Then the forgetting check (icrl_core/general_ability.py) asks both models the first
+`evaluate.forgetting_questions` general questions. Outputs: evaluate.output_dir/{runs/, learning_curve.png,
+report.json}, metrics/evaluate.json, an MLflow run. `promote` reads `evaluate.metric` and `passes_forgetting`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from icrl_core.config import PipelineConfig, with_overrides
+from icrl_core.errors import UserError
+
+STAGE = "evaluate"
+
+
+def _eval_config(config: PipelineConfig, strategy: str, which: str, adapter: Path | None) -> PipelineConfig:
+    runs = Path(config.evaluate.output_dir) / "runs"
+    return with_overrides(config, {
+        "icrl_eval.strategy": strategy, "icrl_eval.run_name": f"{which}-{strategy}",
+        "icrl_eval.output_dir": str(runs), "model.init_adapter": str(adapter) if adapter else None,
+        "tracking.enabled": False,  # the stage's own MLflow run gets the metrics and the run folders
+    })
+
+
+def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
+    from icrl_core.general_ability import QUESTIONS, measure
+    from tasks.icrl_eval import load_eval_policy
+
+    policy = load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
+    report = measure(policy, QUESTIONS[:n])
+    return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
+
+
+def run(config: PipelineConfig) -> dict:
+    import shutil
+
+    from icrl_core.io import atomic_write_json
+    from tasks.icrl_eval import evaluate, plot_learning_curves
+    from tasks.runtime import write_stage_metrics
+    from tasks.tracking import stage_run
+
+    cfg = config.evaluate
+    adapter = Path(cfg.adapter)
+    if not (adapter / "adapter.safetensors").exists():
+        raise UserError(f"evaluate.adapter {adapter}: no trained adapter (run the ppo stage first)")
+    out = Path(cfg.output_dir)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # a stage rerun starts its evaluation runs afresh
+    started = time.perf_counter()
+    metrics: dict = {"task": config.icrl_eval.task, "adapter": str(adapter)}
+    run_dirs = []
+    with stage_run(config, STAGE) as tracker:
+        for index, strategy in enumerate(cfg.strategies):
+            for which, adapter_dir in (("base", None), ("trained", adapter)):
+                result = evaluate(_eval_config(config, strategy, which, adapter_dir), progress=True)
+                run_dirs.append(Path(result["run_dir"]))
+                prefix = f"{which}_{strategy}"
+                metrics[f"{prefix}_final_test_accuracy"] = result["final_test_accuracy"]
+                metrics[f"{prefix}_train_accuracy"] = result["train_accuracy"]
+                metrics[f"{prefix}_regret"] = result["regret"]
+                if index == 0:  # the first strategy is the headline
+                    metrics[f"{which}_final_test_accuracy"] = result["final_test_accuracy"]
+                for step, accuracy in result["test_accuracy"].items():
+                    tracker.log_metrics({f"{prefix}_test_accuracy": accuracy}, step=int(step))
+        plot_learning_curves(run_dirs, out / "learning_curve.png",
+                             title=f"{config.icrl_eval.task}: base vs trained",
+                             labels=[d.name for d in run_dirs])
+        metrics["gain"] = metrics["trained_final_test_accuracy"] - metrics["base_final_test_accuracy"]
+        report: dict = {"metrics": metrics}
+        if cfg.forgetting_questions:
+            base = forgetting(config, None, cfg.forgetting_questions)
+            trained = forgetting(config, adapter, cfg.forgetting_questions)
+            metrics.update(forgetting_base_accuracy=base["accuracy"], forgetting_trained_accuracy=trained["accuracy"],
+                           forgetting_drop=base["accuracy"] - trained["accuracy"],
+                           forgetting_base_nll=base["answer_nll"], forgetting_trained_nll=trained["answer_nll"])
+            report["forgetting"] = {"base": base["answers"], "trained": trained["answers"]}
+        metrics["passes_forgetting"] = metrics.get("forgetting_drop", 0.0) <= cfg.max_forgetting
+        metrics["seconds"] = round(time.perf_counter() - started, 1)
+        atomic_write_json(out / "report.json", report)
+        tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        for item in ("learning_curve.png", "report.json", "runs"):
+            tracker.log_artifact(out / item, None if item != "runs" else "runs")
+    write_stage_metrics(STAGE, metrics)
+    return metrics

@@ -1,0 +1,27 @@
+"""Stage `promote`: register the trained adapter (evaluate.adapter) in the MLflow model registry and give it the
+alias `champion` only if it beats the current champion on `evaluate.metric` AND passes the forgetting check;
+otherwise `challenger`. Reads metrics/evaluate.json; writes metrics/promote.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from icrl_core.config import PipelineConfig
+from icrl_core.errors import UserError
+
+STAGE = "promote"
+
+
+def run(config: PipelineConfig, evaluation: Path = Path("metrics/evaluate.json")) -> dict:
+    from tasks.registry import run_promotion
+
+    try:
+        metrics = json.loads(Path(evaluation).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{evaluation}: not found (run the evaluate stage first)") from None
+    name = config.evaluate.metric
+    if metrics.get(name) is None:
+        raise UserError(f"{evaluation} has no value for evaluate.metric '{name}'")
+    eligible = bool(metrics.get("passes_forgetting", True))
+    return run_promotion(config, Path(config.evaluate.adapter), float(metrics[name]), name, eligible=eligible)

@@ -17,6 +17,10 @@ def register(app: typer.Typer) -> None:
         overrides: Annotated[Optional[list[str]], typer.Option(
             "--set", "-s", help="Write KEY=VALUE into params.yaml before running (like `dvc exp run -S`); "
             "repeatable.", show_default=False)] = None,
+        experiment: Annotated[Optional[Path], typer.Option(
+            "--experiment", "-e", help="YAML file of dotted KEY: VALUE overrides (e.g. experiments/"
+            "icrl_skill.yaml), written into params.yaml before --set; `git checkout params.yaml` undoes it.",
+            show_default=False)] = None,
     ) -> None:
         """Run the training pipeline as a Prefect flow: each stage is a task that runs `dvc repro` of that
         stage (so unchanged stages are skipped), training stages run as Ray Train jobs, and everything is
@@ -25,6 +29,8 @@ def register(app: typer.Typer) -> None:
         from icrl_core.errors import ConfigError
 
         flat = {}
+        if experiment is not None:
+            flat.update(read_experiment(experiment))
         for item in overrides or []:
             key, sep, raw = item.partition("=")
             if not sep:
@@ -100,6 +106,23 @@ def register(app: typer.Typer) -> None:
             out.print("stopping")
         finally:
             services.stop()
+
+
+def read_experiment(path: Path) -> dict:
+    """An experiment file: a YAML mapping of dotted config keys to values (validated when applied)."""
+    import yaml
+
+    from icrl_core.errors import ConfigError
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: experiment file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{path}: expected a mapping of dotted keys (e.g. ppo.kl_beta: 0.02) to values")
+    return data
 
 
 def _run_pipeline(**kwargs) -> dict:

@@ -594,11 +594,17 @@ def deep_merge(base: dict, update: Mapping, path: str = "") -> dict:
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
-    """`ICRL_PPO__KL_BETA=0.02` -> {"ppo": {"kl_beta": 0.02}}. Keys are lower-cased."""
+    """`ICRL_PPO__KL_BETA=0.02` -> {"ppo": {"kl_beta": 0.02}}. Keys are lower-cased.
+
+    A name without the `__` delimiter is a config key only if it names a top-level field (`ICRL_SEED`); other
+    `ICRL_*` variables (ICRL_PROJECT_DIR, ICRL_MLFLOW_PARENT_RUN_ID, ...) belong to the process, not the config."""
     environ = os.environ if environ is None else environ
     tree: dict = {}
     for name, raw in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX):
+            continue
+        if (ENV_NESTED_DELIMITER not in name[len(ENV_PREFIX):]
+                and name[len(ENV_PREFIX):].lower() not in PipelineConfig.model_fields):
             continue
         dotted = ".".join(part.lower() for part in name[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER))
         set_dotted(tree, dotted, parse_value(raw))

@@ -3,7 +3,7 @@
 Inputs: data.output_dir/train.jsonl (and val.jsonl for greedy validation), the start adapter ppo.init_adapter
 (default model.init_adapter),
 the reward model ppo.reward_model_path when ppo.reward uses it. Outputs (atomic, rank 0): ppo.output_dir/adapter/
-(adapter + value head, `policy.save_adapter`), history.json (per-iteration metrics), reward_curve.png,
+(adapter + value head, `policy.save_adapter`), history.json (per-iteration metrics), evals.json (validation accuracy by step), reward_curve.png,
 metrics.json; metrics/ppo.json; MLflow params, per-iteration metrics and the artifacts. A killed run resumes from
 its last checkpoint (every ppo.save_steps iterations) and ends with the same metrics as an uninterrupted one.
 """
@@ -71,14 +71,16 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         progress.close()
     if runtime.rank == 0:
         write_outputs(Path(cfg.output_dir), policy, history, evals)
-    return summary
+    return {**summary, "world_size": runtime.world_size}
 
 
 def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> None:
     from icrl_core.io import atomic_write_json
 
     policy.save_adapter(out / "adapter")
-    atomic_write_json(out / "history.json", {"iterations": history, "evals": evals})
+    # Two flat lists of records: the shape `dvc plots` reads.
+    atomic_write_json(out / "history.json", history)
+    atomic_write_json(out / "evals.json", evals)
     plot_reward_curve(history, evals, out / "reward_curve.png")
 
 
@@ -131,7 +133,7 @@ def run(config: PipelineConfig) -> dict:
         out = Path(config.ppo.output_dir)
         atomic_write_json(out / "metrics.json", metrics)
         tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-        for name in ("adapter", "history.json", "reward_curve.png", "metrics.json"):
+        for name in ("adapter", "history.json", "evals.json", "reward_curve.png", "metrics.json"):
             tracker.log_artifact(out / name, "adapter" if name == "adapter" else None)
     write_stage_metrics(STAGE, metrics)
     return metrics

@@ -50,14 +50,17 @@ class TuneRuntime:
     rank = 0
     world_size = 1
 
-    def __init__(self, checkpoint_dir: Path, tracker):
+    def __init__(self, checkpoint_dir: Path, tracker, metric: str):
         self.checkpoint_dir = checkpoint_dir
         self.tracker = tracker
+        self.metric = metric
 
     def report(self, metrics: Mapping[str, float], step: int) -> None:
         from ray import tune
 
         self.tracker.log_metrics(metrics, step=step)
+        if self.metric not in metrics:
+            return  # e.g. PPO's step-0 validation: Tune (and ASHA) only see results carrying the sweep metric
         tune.report({**{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, "step": step})
 
     def save_checkpoint(self, state: TrainingState) -> None:
@@ -93,7 +96,8 @@ def _trial(trial_params: dict, setup: dict) -> None:
     if setup["module_root"] not in sys.path:
         sys.path.insert(0, setup["module_root"])
     worker = getattr(importlib.import_module(setup["module"]), "train_worker")
-    final = worker(config, TuneRuntime(Path(setup["root"]) / trial_id / "checkpoints", tracker))
+    final = worker(config, TuneRuntime(Path(setup["root"]) / trial_id / "checkpoints", tracker,
+                                          base.sweep.metric))
     tracker.log_metrics({k: v for k, v in final.items() if isinstance(v, (int, float))})
     if tracker.enabled:
         import mlflow

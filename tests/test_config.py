@@ -139,3 +139,11 @@ def test_every_cli_command_documents_every_option():
                 assert param.help, f"{' '.join(path)} {param.opts} has no help"
             if isinstance(param, click.Argument):
                 assert getattr(param, "help", None), f"{' '.join(path)} argument {param.name} has no help"
+
+
+def test_process_variables_with_the_prefix_are_not_config_keys():
+    from icrl_core.config import env_overrides
+
+    environ = {"ICRL_MLFLOW_PARENT_RUN_ID": "abc", "ICRL_PROJECT_DIR": "/x", "ICRL_SEED": "7",
+               "ICRL_PPO__KL_BETA": "0.5"}
+    assert env_overrides(environ) == {"seed": 7, "ppo": {"kl_beta": 0.5}}

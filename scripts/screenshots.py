@@ -1,0 +1,100 @@
+"""Screenshots of the Prefect UI and the MLflow UI for the README, taken with headless Chromium.
+
+Run in the project folder after `make demo` (the pipeline's outputs, mlflow.db and its registered model exist):
+
+    .venv/bin/python scripts/screenshots.py            (or: make screenshots)
+
+It starts the same services as `icrl up` (Prefect server, MLflow server, process worker; 127.0.0.1, ports
+4200/5000 unless --prefect-port/--mlflow-port), deploys prefect.yaml, triggers the `icrl-pipeline/pipeline`
+deployment through the REST API with a parameter (what the UI's "Run" does), waits for it, and saves:
+
+    docs/screenshots/prefect-flow-run.png      the deployment's flow run: stage tasks, states, logs
+    docs/screenshots/prefect-deployment.png    the deployment page
+    docs/screenshots/mlflow-runs.png           the experiment's runs (pipeline run with nested stage runs)
+    docs/screenshots/mlflow-ppo-curves.png     the PPO stage run's metric curves
+    docs/screenshots/mlflow-model.png          the registered model, its versions and aliases
+
+Needs a Chromium binary (`apt-get install chromium`; --chromium to point at another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def shoot(chromium: str, url: str, out: Path, wait_ms: int = 15000, size: str = "1440,1000") -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.png")
+    command = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               "--disable-dev-shm-usage", f"--window-size={size}", f"--virtual-time-budget={wait_ms}",
+               f"--screenshot={tmp}", url]
+    subprocess.run(command, check=True, capture_output=True, timeout=180)
+    os.replace(tmp, out)  # atomic: a failed shot never leaves half an image
+    print(f"{out}  <-  {url}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefect-port", type=int, default=4200)
+    parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
+    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    parser.add_argument("--registered-model", default="icrl-policy")
+    args = parser.parse_args()
+    if not args.chromium:
+        sys.exit("no chromium found: apt-get install chromium, or pass --chromium PATH")
+
+    import httpx
+    import mlflow
+
+    from flows.services import Services
+
+    os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", "2")
+    services = Services(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port)
+    try:
+        services.start_prefect()
+        services.start_mlflow()
+        services.ensure_work_pool()
+        services.deploy()
+        services.start_worker()
+        with httpx.Client(base_url=services.prefect_api, timeout=30) as client:
+            deployment = client.get("/deployments/name/icrl-pipeline/pipeline").json()
+            # The demo's own value: DVC sees no change, every stage is up to date, the run shows all eight.
+            flow_run = client.post(f"/deployments/{deployment['id']}/create_flow_run",
+                                   json={"parameters": {"overrides": {"ppo.kl_beta": 0.02}}}).json()
+            state = "SCHEDULED"
+            deadline = time.time() + 3600
+            while state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and time.time() < deadline:
+                time.sleep(3)
+                state = client.get(f"/flow_runs/{flow_run['id']}").json()["state"]["type"]
+            print(f"flow run {flow_run['name']}: {state}")
+        ui = f"http://127.0.0.1:{args.prefect_port}"
+        shoot(args.chromium, f"{ui}/runs/flow-run/{flow_run['id']}", args.out / "prefect-flow-run.png")
+        shoot(args.chromium, f"{ui}/deployments/deployment/{deployment['id']}", args.out / "prefect-deployment.png")
+
+        client = mlflow.MlflowClient(tracking_uri=services.mlflow_uri)
+        experiment = client.get_experiment_by_name("icrl")
+        ppo_runs = client.search_runs([experiment.experiment_id], "tags.`icrl.stage` = 'ppo'",
+                                      order_by=["attributes.start_time DESC"], max_results=1)
+        mlflow_ui = services.mlflow_uri
+        shoot(args.chromium, f"{mlflow_ui}/#/experiments/{experiment.experiment_id}", args.out / "mlflow-runs.png")
+        if ppo_runs:
+            run = ppo_runs[0]
+            shoot(args.chromium, f"{mlflow_ui}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+                  "/model-metrics", args.out / "mlflow-ppo-curves.png", size="1440,1400")
+        shoot(args.chromium, f"{mlflow_ui}/#/models/{args.registered_model}", args.out / "mlflow-model.png")
+    finally:
+        services.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -129,6 +129,8 @@ def _run_pipeline(**kwargs) -> dict:
     import os
 
     os.environ.setdefault("PREFECT_HOME", str((Path(".icrl") / "prefect").resolve()))
+    # Prefect creates only the last folder of PREFECT_HOME: on a fresh clone .icrl/ does not exist yet.
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     from flows.pipeline import pipeline_flow
 
     return pipeline_flow(**kwargs)

@@ -27,6 +27,7 @@ def prefect_env(api_url: str | None = None) -> dict[str, str]:
 
     env = {**DEFAULTS, **os.environ}
     env.setdefault("PREFECT_HOME", str((STATE_DIR / "prefect").resolve()))
+    Path(env["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect makes only the last folder
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if api_url:
         env["PREFECT_API_URL"] = api_url

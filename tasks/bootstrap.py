@@ -28,11 +28,13 @@ def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]
     from icrl_core.io import atomic_write_bytes, atomic_write_json
     from icrl_core.supervised import finite
 
-    atomic_write_json(folder / "history.json", [finite(h) for h in history])
+    from tasks.runtime import plot_records
+
+    atomic_write_json(folder / "history.json", plot_records([finite(h) for h in history]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
     for ax, (name, keys) in zip(axes[0], panels.items()):
         for key in keys:
-            points = [(h["step"], h[key]) for h in history if key in h]
+            points = [(h["step"], h[key]) for h in history if h.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o" if key.startswith("val_") else None, markersize=3, label=key)
         ax.set_title(name)

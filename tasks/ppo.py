@@ -79,8 +79,10 @@ def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> 
 
     policy.save_adapter(out / "adapter")
     # Two flat lists of records: the shape `dvc plots` reads.
-    atomic_write_json(out / "history.json", history)
-    atomic_write_json(out / "evals.json", evals)
+    from tasks.runtime import plot_records
+
+    atomic_write_json(out / "history.json", plot_records(history))
+    atomic_write_json(out / "evals.json", plot_records(evals))
     plot_reward_curve(history, evals, out / "reward_curve.png")
 
 

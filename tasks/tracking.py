@@ -20,12 +20,18 @@ log = logging.getLogger(__name__)
 
 PARENT_RUN_ENV = "ICRL_MLFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
 
+# What the user (or a parent process) set, read before this process touches MLflow: `mlflow.set_tracking_uri`
+# writes MLFLOW_TRACKING_URI into os.environ itself, so reading the variable later would pin every later call
+# in a long-lived process (a test session, a notebook) to the first working directory's store.
+_ENV_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI") or None
+
 
 def tracking_uri(cfg: TrackingConfig) -> str:
+    """`tracking.tracking_uri`, else MLFLOW_TRACKING_URI as the process found it, else ./mlflow.db (SQLite)."""
     if cfg.tracking_uri:
         return cfg.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+    if _ENV_TRACKING_URI:
+        return _ENV_TRACKING_URI
     return f"sqlite:///{Path('mlflow.db').resolve()}"
 
 

@@ -15,6 +15,7 @@ from tasks.env import apply_defaults  # noqa: E402
 
 apply_defaults()
 os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / "prefect-test-home"))
+Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # a fresh clone has no .icrl/
 
 TASKS_DIR = Path(os.environ.get("ICRL_TEST_TASKS_DIR", ROOT.parent / "shared" / "data" / "icrl-tasks"))
 
@@ -44,6 +45,20 @@ def tiny():
 @pytest.fixture(scope="session")
 def tokens(tiny):
     return tiny.tokens
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mlflow_uri(monkeypatch):
+    """`mlflow.set_tracking_uri` writes MLFLOW_TRACKING_URI into os.environ; without this, a test's store would
+    leak into every later test and into the subprocesses they start (a deleted SQLite file: 'readonly database')."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    yield
+    import sys as _sys
+
+    if "mlflow" in _sys.modules:
+        import mlflow
+
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -147,3 +149,29 @@ def test_process_variables_with_the_prefix_are_not_config_keys():
     environ = {"ICRL_MLFLOW_PARENT_RUN_ID": "abc", "ICRL_PROJECT_DIR": "/x", "ICRL_SEED": "7",
                "ICRL_PPO__KL_BETA": "0.5"}
     assert env_overrides(environ) == {"seed": 7, "ppo": {"kl_beta": 0.5}}
+
+
+def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_path):
+    from flows.cli import read_experiment
+    from icrl_core.config import load_config
+    from icrl_core.errors import ConfigError
+
+    overrides = read_experiment(Path(__file__).resolve().parents[1] / "experiments" / "icrl_skill.yaml")
+    config = load_config(None, [], environ={}, extra=None)
+    assert overrides["icrl_eval.task"] == "trec_coarse"
+    # the held-out tasks never feed training data
+    assert not any("trec" in s["name"] or "nlu" in s["name"] for s in overrides["data.sources"])
+    from flows.pipeline import apply_overrides
+
+    params = tmp_path / "params.yaml"
+    params.write_text("seed: 0\n")
+    apply_overrides(overrides, str(params))
+    assert load_config(params, [], environ={}).data.exemplar_style == "feedback"
+    assert config.icrl_eval.task != "trec_coarse"
+    for text in ("[1, 2]", "a: [", "1: 2"):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match="bad.yaml"):
+            read_experiment(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        read_experiment(tmp_path / "missing.yaml")

@@ -153,6 +153,18 @@ def test_dvc_repro_again_runs_nothing(project):
     print(f"no-op dvc repro: {seconds:.1f}s")
 
 
+def test_dvc_plots_render_the_learning_curves_offline(project):
+    result = _run([str(BIN / "dvc"), "plots", "show", "--json"], project)
+    plots = json.loads(result.stdout[result.stdout.index("{"):])
+    assert not plots.get("errors"), plots.get("errors")
+    for title in ("Supervised bootstrap loss and KL", "Reward model loss", "PPO mean reward, KL and entropy",
+                  "PPO validation accuracy"):
+        [vega] = plots["data"][title]
+        assert vega["content"]["data"]["values"], title
+    images = [name for name in plots["data"] if name.endswith(".png")]
+    assert len(images) == 4
+
+
 def test_dvc_exp_run_reruns_only_the_stages_that_depend_on_the_parameter(project):
     result = _run([str(BIN / "dvc"), "exp", "run", "-S", "ppo.kl_beta=0.02"], project)
     output = result.stdout + result.stderr

@@ -74,9 +74,10 @@ class ModelConfig(Section):
         ),
     ] = "smollm2-135m"
     dtype: Annotated[
-        Literal["float32", "bfloat16"],
+        Literal["float32", "bfloat16", "auto"],
         Field(description="Weight dtype. float32 is exact (KV reuse matches recompute); bfloat16 is 3-4x faster "
-              "for matmuls on CPUs with AMX/AVX512-BF16."),
+              "for matmuls on CPUs with AMX/AVX512-BF16 but 4-5x slower where PyTorch emulates it (AVX2-only "
+              "CPUs); auto picks bfloat16 only where it is fast (a bf16 GPU, or a CPU with AMX/AVX512-BF16)."),
     ] = "float32"
     cache_dir: Annotated[
         Path | None,

@@ -13,7 +13,7 @@ Strategy = Enum("Strategy", {s: s for s in ("zero_shot", "naive", "naive_plus", 
                                              "icl")}, type=str)
 Sampling = Enum("Sampling", {s: s for s in ("uniform", "likelihood")}, type=str)
 Source = Enum("Source", {s: s for s in ("dir", "hub", "disk")}, type=str)
-Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16")}, type=str)
+Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16", "auto")}, type=str)
 
 
 def _flag_overrides(**flags) -> dict:
@@ -91,7 +91,8 @@ def register(app: typer.Typer) -> None:
                                                           show_default=False)] = None,
         model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, "
                                                      "a folder or a HF id.", show_default=False)] = None,
-        dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype (float32 is exact; bfloat16 faster).",
+        dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype: float32 is exact; bfloat16 is faster only "
+                                                       "on CPUs with AMX/AVX512-BF16; auto picks.",
                                                        show_default=False)] = None,
         reuse_cache: Annotated[Optional[bool], typer.Option("--reuse-cache/--no-reuse-cache",
                                                             help="Reuse KV caches of shared prefixes (exact); "

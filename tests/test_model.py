@@ -156,3 +156,15 @@ def test_hub_id_and_local_folder_specs_load_from_local_copies(tmp_path, monkeypa
 
     with pytest.raises(UserError, match="cannot load model 'acme/absent'"):
         load_policy("acme/absent")
+
+
+def test_dtype_auto_picks_bfloat16_only_where_it_is_fast():
+    from icrl_core.errors import UserError
+    from icrl_core.model import fast_bfloat16, load_base_model, resolve_dtype
+
+    assert resolve_dtype("auto") == ("bfloat16" if fast_bfloat16() else "float32")
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(UserError, match="auto, float32, bfloat16"):
+        resolve_dtype("float16")
+    model, _ = load_base_model("tiny", "auto")
+    assert model.dtype == getattr(torch, resolve_dtype("auto"))

@@ -161,6 +161,20 @@ class DataConfig(Section):
     permute_labels: Annotated[bool, Field(description="Give every task/synthetic episode its own random "
                                           "permutation of the label names, so answers can only be read from the "
                                           "context, not memorised in the weights.")] = False
+    labels_per_episode: Annotated[int | None, Field(ge=2, description="If set, each task episode draws its "
+                                                    "exemplars and queries from a random subset of this many labels "
+                                                    "(the maximum when labels_per_episode_min is set): few-way "
+                                                    "episodes like trec_coarse's 6 labels, with every label seen "
+                                                    "several times. Empty: all the task's labels.")] = None
+    labels_per_episode_min: Annotated[int | None, Field(ge=2, description="If set, the label count is drawn "
+                                                        "uniformly from [labels_per_episode_min, "
+                                                        "labels_per_episode] per episode.")] = None
+    label_skew: Annotated[float | None, Field(gt=0, description="If set, the exemplars' label proportions are "
+                                              "drawn from a symmetric Dirichlet with this concentration (small: "
+                                              "a few labels dominate the context, as in a collapsing in-context RL "
+                                              "history) while queries stay spread over the episode's labels, so "
+                                              "copying the majority label is wrong. Empty: exemplars are drawn "
+                                              "uniformly from the pool.")] = None
     hard_negatives: Annotated[float, Field(ge=0, le=1, description="With rejected=sampled: probability that a "
                                            "query's rejected answer is a wrong label that appears in the episode's "
                                            "context (a hard negative for the reward model), when there is one.")] = 0.5
@@ -450,6 +464,17 @@ class EvaluateConfig(Section):
                                  "better).")] = "trained_final_test_accuracy"
     max_forgetting: Annotated[float, Field(ge=0, le=1, description="Promotion also requires the general-ability "
                                            "accuracy to drop by at most this much.")] = 0.02
+    min_gain: Annotated[float, Field(ge=-1, le=1, description="Promotion also requires the trained model's final "
+                                     "test accuracy (first strategy) to beat the base model's by more than "
+                                     "this (the held-out gain).")] = 0.0
+    min_gain_over_zero_shot: Annotated[float | None, Field(ge=-1, le=1, description="If set (and zero_shot is "
+                                                           "among the strategies), promotion also requires the "
+                                                           "trained model's final test accuracy (first strategy) "
+                                                           "to beat its own zero-shot accuracy by at least "
+                                                           "this.")] = None
+    workers: Annotated[int, Field(ge=1, le=16, description="Evaluation runs executed at once, each in its own "
+                                  "process with cpu_count / workers torch threads (2 on a 2-core machine: one "
+                                  "single-threaded run per core is faster than two-threaded runs in turn).")] = 1
     output_dir: Annotated[Path, Field(description="Stage output folder (runs, plot, report).")] = Path(
         "artifacts/evaluate"
     )

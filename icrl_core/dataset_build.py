@@ -140,14 +140,39 @@ def draw_count(rng: random.Random, low: int | None, high: int) -> int:
     return high if low is None else rng.randint(min(low, high), high)
 
 
+def episode_labels(task: ClassificationTask, rng: random.Random, data: DataConfig) -> list[str]:
+    """The labels an episode draws from: all of the task's, or a random subset (`data.labels_per_episode`)."""
+    if data.labels_per_episode is None or data.labels_per_episode >= len(task.labels):
+        return list(task.labels)
+    count = draw_count(rng, data.labels_per_episode_min, data.labels_per_episode)
+    return rng.sample(task.labels, min(count, len(task.labels)))
+
+
+def dirichlet(rng: random.Random, alpha: float, size: int) -> list[float]:
+    """A draw from the symmetric Dirichlet(alpha) on `size` categories (normalised Gamma(alpha) draws)."""
+    draws = [rng.gammavariate(alpha, 1.0) for _ in range(size)]
+    total = sum(draws)
+    return [d / total for d in draws] if total > 0 else [1.0 / size] * size
+
+
 def make_task_episode(task: ClassificationTask, pool: list[Example], key_index: dict[str, list[int]],
-                      episode_id: str, rng: random.Random, data: DataConfig) -> Episode:
+                      episode_id: str, rng: random.Random, data: DataConfig,
+                      label_index: dict[str, list[int]] | None = None) -> Episode:
     """One episode from a classification task: k exemplars (support exemplars first, then random ones, then
-    shuffled) and n queries from `pool`; preferred = gold label, rejected = a random wrong label."""
+    shuffled) and n queries from `pool`; preferred = gold label, rejected = a random wrong label.
+
+    With `data.labels_per_episode`, everything is drawn from the examples of a random label subset; with
+    `data.label_skew`, the random exemplars follow Dirichlet label proportions (`label_index`: label -> pool
+    indices, needed by both)."""
     k = draw_count(rng, data.k_exemplars_min, data.k_exemplars)
     n = draw_count(rng, data.n_queries_min, data.n_queries)
-    if len(pool) < n + k:
-        raise UserError(f"task '{task.name}': {len(pool)} examples cannot make an episode of {k} exemplars and "
+    subset = episode_labels(task, rng, data)
+    if label_index is None and (len(subset) < len(task.labels) or data.label_skew is not None):
+        label_index = _index_by_key(pool, lambda example: example.label)
+    allowed = (range(len(pool)) if len(subset) == len(task.labels)
+               else [i for lb in subset for i in label_index[lb]])  # type: ignore[index]
+    if len(allowed) < n + k:
+        raise UserError(f"task '{task.name}': {len(allowed)} examples cannot make an episode of {k} exemplars and "
                         f"{n} queries")
     rename = dict(zip(task.labels, rng.sample(task.labels, len(task.labels)))) if data.permute_labels else None
 
@@ -155,7 +180,7 @@ def make_task_episode(task: ClassificationTask, pool: list[Example], key_index: 
         return rename[example.label] if rename else example.label
 
     key = support_key(task.name)
-    query_idx = rng.sample(range(len(pool)), n)
+    query_idx = rng.sample(allowed, n)
     used = set(query_idx)
     exemplar_idx: list[int] = []
     for qi in query_idx:
@@ -166,14 +191,20 @@ def make_task_episode(task: ClassificationTask, pool: list[Example], key_index: 
             pick = rng.choice(candidates)
             exemplar_idx.append(pick)
             used.add(pick)
+    weights = dirichlet(rng, data.label_skew, len(subset)) if data.label_skew is not None else None
     while len(exemplar_idx) < k:
-        pick = rng.randrange(len(pool))
+        pick = rng.choice(allowed)
+        if weights is not None:
+            same_label = label_index[rng.choices(subset, weights)[0]]  # type: ignore[index]
+            if not used.issuperset(same_label):  # else that label is used up: any allowed example
+                pick = rng.choice(same_label)
         if pick not in used:
             exemplar_idx.append(pick)
             used.add(pick)
     rng.shuffle(exemplar_idx)
 
-    labels = list(task.labels)  # a permutation renames labels within the same set
+    # the episode's labels (a permutation renames labels within the same set)
+    labels = list(task.labels) if len(subset) == len(task.labels) else [label(Example("", lb)) for lb in subset]
 
     def wrong_label(gold: str) -> str:
         return rng.choice([lb for lb in labels if lb != gold])
@@ -222,6 +253,7 @@ def build_episodes(sources: list[ResolvedSource], data: DataConfig, seed: int,
     counts = allocate([s.weight for s in sources], data.num_episodes)
     jobs: list[tuple[ResolvedSource, int]] = [(s, i) for s, c in zip(sources, counts) for i in range(c)]
     key_indexes: dict[tuple[str, str], dict[str, list[int]]] = {}
+    label_indexes: dict[tuple[str, str], dict[str, list[int]]] = {}
     file_orders: dict[str, list[Episode]] = {}
     built = []
     for source, index in progress(jobs):
@@ -243,8 +275,9 @@ def build_episodes(sources: list[ResolvedSource], data: DataConfig, seed: int,
         cache_key = (source.name, split)
         if cache_key not in key_indexes:
             key_indexes[cache_key] = _index_by_key(pool, support_key(source.task.name))
+            label_indexes[cache_key] = _index_by_key(pool, lambda example: example.label)
         episode = make_task_episode(source.task, pool, key_indexes[cache_key], episode_id,
-                                    episode_rng(seed, episode_id), data)
+                                    episode_rng(seed, episode_id), data, label_indexes[cache_key])
         built.append(BuiltEpisode(episode, source.name, split))
     seen: dict[str, str] = {}
     for item in built:

@@ -2,9 +2,10 @@
 
 For each strategy in `evaluate.strategies`, the in-context RL harness (tasks/icrl_eval.py, `icrl_eval.*`
 settings) runs twice on the same seeds: the base model, and the base model with the trained adapter
-(`evaluate.adapter`). Then the forgetting check (icrl_core/general_ability.py) asks both models the first
-`evaluate.forgetting_questions` general questions. Outputs: evaluate.output_dir/{runs/, learning_curve.png,
-report.json}, metrics/evaluate.json, an MLflow run. `promote` reads `evaluate.metric` and `passes_forgetting`.
+(`evaluate.adapter`); `evaluate.workers` runs go at once, each in its own process. Then the forgetting check
+(icrl_core/general_ability.py) asks both models the first `evaluate.forgetting_questions` general questions.
+Outputs: evaluate.output_dir/{runs/, learning_curve.png, report.json}, metrics/evaluate.json, an MLflow run.
+`promote` reads `evaluate.metric` and `eligible` (the forgetting check and the held-out gain both passed).
 """
 
 from __future__ import annotations
@@ -36,11 +37,51 @@ def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
     return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
 
 
+def _evaluate_in_worker(config_json: dict, position: int) -> dict:
+    """One evaluation run in a pool process (the config travels as JSON and is validated again)."""
+    from icrl_core.config import PipelineConfig as Config
+    from tasks.icrl_eval import evaluate
+
+    return evaluate(Config.model_validate(config_json), progress=True, position=position)
+
+
+def run_evaluations(configs: list[PipelineConfig], workers: int) -> list[dict]:
+    """Run the evaluation `configs` (in order of the returned list), `workers` at a time in separate processes,
+    each with cpu_count / workers torch threads; one worker runs them in this process, one after another."""
+    from tasks.icrl_eval import evaluate
+
+    workers = min(workers, len(configs))
+    if workers <= 1:
+        return [evaluate(c, progress=True) for c in configs]
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    jobs = [with_overrides(c, {"icrl_eval.threads": c.icrl_eval.threads or threads}).model_dump(mode="json")
+            for c in configs]
+    # spawn: a fresh interpreter per worker (forking a process that holds torch threads is unsafe)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_evaluate_in_worker, job, index % workers) for index, job in enumerate(jobs)]
+        return [future.result() for future in futures]
+
+
+def gates(metrics: dict, cfg) -> dict:
+    """What promotion requires besides beating the champion: the held-out gain over the base model, the gain
+    over the trained model's own zero-shot accuracy (when asked and measured), and the forgetting check."""
+    out = {"passes_gain": metrics["gain"] > cfg.min_gain,
+           "passes_forgetting": metrics.get("forgetting_drop", 0.0) <= cfg.max_forgetting}
+    if cfg.min_gain_over_zero_shot is not None and "trained_zero_shot_final_test_accuracy" in metrics:
+        out["passes_gain_over_zero_shot"] = metrics["gain_over_zero_shot"] >= cfg.min_gain_over_zero_shot - 1e-9
+    out["eligible"] = all(out.values())
+    return out
+
+
 def run(config: PipelineConfig) -> dict:
     import shutil
 
     from icrl_core.io import atomic_write_json
-    from tasks.icrl_eval import evaluate, plot_learning_curves
+    from tasks.icrl_eval import plot_learning_curves
     from tasks.runtime import write_stage_metrics
     from tasks.tracking import stage_run
 
@@ -52,24 +93,30 @@ def run(config: PipelineConfig) -> dict:
     shutil.rmtree(out / "runs", ignore_errors=True)  # a stage rerun starts its evaluation runs afresh
     started = time.perf_counter()
     metrics: dict = {"task": config.icrl_eval.task, "adapter": str(adapter)}
-    run_dirs = []
+    headline = cfg.strategies[0]
+    jobs = [(strategy, which, adapter_dir) for strategy in cfg.strategies
+            for which, adapter_dir in (("base", None), ("trained", adapter))]
     with stage_run(config, STAGE) as tracker:
-        for index, strategy in enumerate(cfg.strategies):
-            for which, adapter_dir in (("base", None), ("trained", adapter)):
-                result = evaluate(_eval_config(config, strategy, which, adapter_dir), progress=True)
-                run_dirs.append(Path(result["run_dir"]))
-                prefix = f"{which}_{strategy}"
-                metrics[f"{prefix}_final_test_accuracy"] = result["final_test_accuracy"]
-                metrics[f"{prefix}_train_accuracy"] = result["train_accuracy"]
-                metrics[f"{prefix}_regret"] = result["regret"]
-                if index == 0:  # the first strategy is the headline
-                    metrics[f"{which}_final_test_accuracy"] = result["final_test_accuracy"]
-                for step, accuracy in result["test_accuracy"].items():
-                    tracker.log_metrics({f"{prefix}_test_accuracy": accuracy}, step=int(step))
+        results = run_evaluations([_eval_config(config, *job) for job in jobs], cfg.workers)
+        run_dirs = []
+        for (strategy, which, _), result in zip(jobs, results):
+            run_dirs.append(Path(result["run_dir"]))
+            prefix = f"{which}_{strategy}"
+            metrics[f"{prefix}_final_test_accuracy"] = result["final_test_accuracy"]
+            metrics[f"{prefix}_train_accuracy"] = result["train_accuracy"]
+            metrics[f"{prefix}_regret"] = result["regret"]
+            metrics[f"{prefix}_seconds"] = round(result["seconds"], 1)
+            if strategy == headline:
+                metrics[f"{which}_final_test_accuracy"] = result["final_test_accuracy"]
+            for step, accuracy in result["test_accuracy"].items():
+                tracker.log_metrics({f"{prefix}_test_accuracy": accuracy}, step=int(step))
         plot_learning_curves(run_dirs, out / "learning_curve.png",
                              title=f"{config.icrl_eval.task}: base vs trained",
                              labels=[d.name for d in run_dirs])
         metrics["gain"] = metrics["trained_final_test_accuracy"] - metrics["base_final_test_accuracy"]
+        if "trained_zero_shot_final_test_accuracy" in metrics:
+            metrics["gain_over_zero_shot"] = (metrics["trained_final_test_accuracy"]
+                                              - metrics["trained_zero_shot_final_test_accuracy"])
         report: dict = {"metrics": metrics}
         if cfg.forgetting_questions:
             base = forgetting(config, None, cfg.forgetting_questions)
@@ -78,7 +125,7 @@ def run(config: PipelineConfig) -> dict:
                            forgetting_drop=base["accuracy"] - trained["accuracy"],
                            forgetting_base_nll=base["answer_nll"], forgetting_trained_nll=trained["answer_nll"])
             report["forgetting"] = {"base": base["answers"], "trained": trained["answers"]}
-        metrics["passes_forgetting"] = metrics.get("forgetting_drop", 0.0) <= cfg.max_forgetting
+        metrics.update(gates(metrics, cfg))
         metrics["seconds"] = round(time.perf_counter() - started, 1)
         atomic_write_json(out / "report.json", report)
         tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})

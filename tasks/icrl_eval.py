@@ -292,8 +292,10 @@ def prepare_run_dir(config: PipelineConfig, resume: bool) -> tuple[Path, list[di
 
 
 def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True,
-             echo: Callable[[str], None] | None = None, on_test: Callable[[dict], None] | None = None) -> dict:
-    """Run (or resume) one in-context RL evaluation; return its metrics."""
+             echo: Callable[[str], None] | None = None, on_test: Callable[[dict], None] | None = None,
+             position: int | None = None) -> dict:
+    """Run (or resume) one in-context RL evaluation; return its metrics. `position`: the progress bar's line
+    when several runs share a terminal."""
     import torch
 
     from icrl_core.icrl_eval import (DebugEvent, EvaluationEvent, Predictor, StepEvent, history_from_events,
@@ -332,7 +334,7 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     with stage_run(config, STAGE, run_name=run_dir.name,
                    tags={"icrl.run_dir": str(run_dir), "icrl.resumed_at_step": len(steps)}) as tracker:
         _replay_metrics(tracker, steps, tests, cfg.log_every)
-        bar = _progress(cfg.train_k, len(steps), progress, run_dir.name)
+        bar = _progress(cfg.train_k, len(steps), progress, run_dir.name, position)
         try:
             for event in run_protocol(predictor, task, cfg, max_examples, history_from_events(steps)):
                 if isinstance(event, DebugEvent):
@@ -387,12 +389,12 @@ def _replay_metrics(tracker, steps: Sequence[dict], tests: Sequence[dict], log_e
                             step=test["step"])
 
 
-def _progress(total: int, done: int, enabled: bool, name: str):
+def _progress(total: int, done: int, enabled: bool, name: str, position: int | None = None):
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=done, desc=name, unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=done, desc=name, unit="step", dynamic_ncols=True, position=position)
 
 
 def run(config: PipelineConfig) -> dict:

@@ -1,6 +1,6 @@
 """Stage `promote`: register the trained adapter (evaluate.adapter) in the MLflow model registry and give it the
-alias `champion` only if it beats the current champion on `evaluate.metric` AND passes the forgetting check;
-otherwise `challenger`. Reads metrics/evaluate.json; writes metrics/promote.json."""
+alias `champion` only if it beats the current champion on `evaluate.metric` AND the evaluate stage found it
+eligible (forgetting check and held-out gain passed, see tasks/evaluate.py: gates); otherwise `challenger`. Reads metrics/evaluate.json; writes metrics/promote.json."""
 
 from __future__ import annotations
 
@@ -23,5 +23,5 @@ def run(config: PipelineConfig, evaluation: Path = Path("metrics/evaluate.json")
     name = config.evaluate.metric
     if metrics.get(name) is None:
         raise UserError(f"{evaluation} has no value for evaluate.metric '{name}'")
-    eligible = bool(metrics.get("passes_forgetting", True))
+    eligible = bool(metrics.get("eligible", metrics.get("passes_forgetting", True)))
     return run_promotion(config, Path(config.evaluate.adapter), float(metrics[name]), name, eligible=eligible)

@@ -7,7 +7,7 @@ import yaml
 
 from icrl_core.config import (AdaptiveKL, ConfigError, LastBlocksAdapter, PipelineConfig, config_to_flat_params,
                               describe_fields, load_config, with_overrides)
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 
 def write(tmp_path, data) -> str:
@@ -62,7 +62,7 @@ def test_switching_variant_drops_keys_of_the_old_variant():
     [
         ("ppo.kl_bta=1", ["ppo.kl_bta: unknown key", "kl_beta", "entropy_beta"]),
         ("ppo.kl_beta=-1", ["ppo.kl_beta", "greater than or equal to 0"]),
-        ("model.dtype=fp16", ["model.dtype", "'float32' or 'bfloat16'", "fp16"]),
+        ("model.dtype=fp16", ["model.dtype", "'float32', 'bfloat16' or 'auto'", "fp16"]),
         ("model.adapter.rnk=4", ["model.adapter.rnk: unknown key", "rank"]),
         ("model.adapter.kind=qlora", ["model.adapter", "'lora', 'last_blocks', 'none'"]),
         ("icrl_eval.strategy=greedy", ["icrl_eval.strategy", "'naive'", "'explorative'"]),
@@ -175,3 +175,9 @@ def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_
             read_experiment(bad)
     with pytest.raises(ConfigError, match="not found"):
         read_experiment(tmp_path / "missing.yaml")
+
+
+def test_config_reference_in_docs_is_generated_from_the_schema():
+    result = run_cli("config", "docs")
+    assert result.returncode == 0, result.stderr
+    assert (ROOT / "docs" / "CONFIG.md").read_text() == result.stdout, "regenerate: icrl config docs --output docs/CONFIG.md"

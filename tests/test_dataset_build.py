@@ -94,6 +94,34 @@ def test_permuted_labels_are_consistent_within_an_episode_and_differ_across():
     assert any(any(gold[k] != v for k, v in m) for m in maps)
 
 
+def test_few_way_episodes_use_a_label_subset_and_skew_the_context(tasks_dir):
+    from icrl_core.config import DataConfig
+
+    def build(**overrides):
+        data = DataConfig(tasks_dir=tasks_dir, sources=[TaskSource(name="banking77")], num_episodes=60,
+                          k_exemplars=24, n_queries=2, query_support=0.0, **overrides)
+        return build_episodes(resolve_sources(data, 0), data, 0)
+
+    few = build(labels_per_episode=6, labels_per_episode_min=3)
+    sizes = Counter()
+    for item in few:
+        episode = item.episode
+        labels = {ex.answer for ex in episode.exemplars} | {q.preferred_answer for q in episode.queries}
+        assert len(labels) <= 6
+        for q in episode.queries:  # rejected answers come from the episode's own labels
+            assert q.rejected_answer != q.preferred_answer
+        sizes[len(labels)] += 1
+    assert min(sizes) >= 2 and max(sizes) <= 6 and len(sizes) >= 3
+
+    def majority_share(built):
+        shares = [Counter(ex.answer for ex in item.episode.exemplars).most_common(1)[0][1] / 24 for item in built]
+        return sum(shares) / len(shares)
+
+    skewed, even = build(labels_per_episode=6, label_skew=0.3), build(labels_per_episode=6)
+    assert majority_share(skewed) > majority_share(even) + 0.15  # a few labels dominate skewed contexts
+    assert build(labels_per_episode=6) == even  # still deterministic
+
+
 def test_feedback_exemplars_carry_rewards():
     built, _ = _build(num_episodes=150, exemplar_style="feedback", feedback_accuracy=0.7, k_exemplars=4)
     gold = {_keyword(e.text): e.label for e in keyword_map(seed=0).train}

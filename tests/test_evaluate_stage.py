@@ -1,0 +1,46 @@
+"""The evaluate stage's parts: evaluation runs in a process pool give exactly what they give one after another,
+and the promotion gates (held-out gain, gain over the model's own zero-shot, forgetting)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from icrl_core.config import EvaluateConfig, load_config
+from tasks.evaluate import gates, run_evaluations
+
+
+def _configs(folder: Path) -> list:
+    base = ["model.spec=tiny", "tracking.enabled=false", "icrl_eval.task=keyword_map", "icrl_eval.train_k=8",
+            "icrl_eval.test_every=4", "icrl_eval.test_k=6", "icrl_eval.temperature=1.0",
+            f"icrl_eval.output_dir={folder}"]
+    return [load_config(None, base + [f"icrl_eval.strategy={s}", f"icrl_eval.run_name={s}"], environ={})
+            for s in ("explorative", "naive", "zero_shot")]
+
+
+def _steps(run_dir: str) -> list[dict]:
+    rows = [json.loads(line) for line in Path(run_dir, "steps.jsonl").read_text().splitlines()]
+    return [{k: row[k] for k in ("step", "query", "prediction", "reward", "context")} for row in rows]
+
+
+def test_runs_in_a_process_pool_equal_runs_in_turn(tmp_path):
+    in_turn = run_evaluations(_configs(tmp_path / "serial"), workers=1)
+    pooled = run_evaluations(_configs(tmp_path / "pool"), workers=2)
+    assert [r["strategy"] for r in pooled] == ["explorative", "naive", "zero_shot"]  # order of the configs
+    for a, b in zip(in_turn, pooled):
+        assert a["test_accuracy"] == b["test_accuracy"] and a["regret"] == b["regret"]
+        assert _steps(a["run_dir"]) == _steps(b["run_dir"])
+
+
+def test_promotion_gates():
+    cfg = EvaluateConfig(min_gain=0.0, max_forgetting=0.02, min_gain_over_zero_shot=0.15)
+    good = {"gain": 0.1, "forgetting_drop": 0.01, "trained_zero_shot_final_test_accuracy": 0.2,
+            "gain_over_zero_shot": 0.15}
+    assert gates(good, cfg) == {"passes_gain": True, "passes_forgetting": True, "passes_gain_over_zero_shot": True,
+                                "eligible": True}
+    assert not gates({**good, "gain": 0.0}, cfg)["eligible"]  # the gain must be positive
+    assert not gates({**good, "forgetting_drop": 0.03}, cfg)["eligible"]
+    assert not gates({**good, "gain_over_zero_shot": 0.1}, cfg)["eligible"]
+    # without a zero-shot run (or without the requirement) only the gain and forgetting count
+    no_zero_shot = {"gain": 0.1, "forgetting_drop": 0.0}
+    assert gates(no_zero_shot, cfg) == {"passes_gain": True, "passes_forgetting": True, "eligible": True}

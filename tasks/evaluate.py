@@ -66,6 +66,72 @@ def run_evaluations(configs: list[PipelineConfig], workers: int) -> list[dict]:
         return [future.result() for future in futures]
 
 
+# Base-model runs do not depend on training: they are kept here and reused while everything they depend on is
+# unchanged (outside the stage's DVC outs, which DVC deletes before the stage runs).
+RESULT_CACHE = Path(".icrl") / "evaluations"
+_HARNESS_SOURCES = ("icrl_core/icrl_eval.py", "icrl_core/kernels.py", "icrl_core/chat.py", "icrl_core/prompting.py",
+                    "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py")
+
+
+def result_key(config: PipelineConfig) -> str:
+    """A hash of what a run's outcome depends on: the model (dtype resolved on this machine), the icrl_eval
+    settings except speed-only ones, the seed, the data folder, and the harness's source code."""
+    import hashlib
+    import json
+
+    from icrl_core.model import resolve_dtype
+    from tasks.icrl_eval import FREE_ON_RESUME
+
+    root = Path(__file__).resolve().parents[1]
+    payload = {
+        "model": {**config.model.model_dump(mode="json"), "dtype": resolve_dtype(config.model.dtype)},
+        "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
+        "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+        "code": {name: hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _HARNESS_SOURCES},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_result(config: PipelineConfig) -> dict | None:
+    """A finished run with the same `result_key`, copied into this config's run folder; None if there is none."""
+    import json
+    import shutil
+
+    from tasks.icrl_eval import run_dir_for
+
+    cached = RESULT_CACHE / result_key(config)
+    try:
+        finished = json.loads((cached / "run.json").read_text()).get("status") == "finished"
+        metrics = json.loads((cached / "metrics.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if not finished:
+        return None
+    run_dir = run_dir_for(config.icrl_eval)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(cached, run_dir)
+    metrics["test_accuracy"] = {int(step): value for step, value in metrics.get("test_accuracy", {}).items()}
+    return {**metrics, "run_dir": str(run_dir), "cached": True}
+
+
+def store_result(config: PipelineConfig, run_dir: Path) -> None:
+    """Keep a finished run under its `result_key` (copied to a temporary name, then renamed into place)."""
+    import os
+    import shutil
+    import tempfile
+
+    target = RESULT_CACHE / result_key(config)
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    shutil.copytree(run_dir, tmp, dirs_exist_ok=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # stored concurrently by another process
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def gates(metrics: dict, cfg) -> dict:
     """What promotion requires besides beating the champion: the held-out gain over the base model, the gain
     over the trained model's own zero-shot accuracy (when asked and measured), and the forgetting check."""
@@ -97,7 +163,16 @@ def run(config: PipelineConfig) -> dict:
     jobs = [(strategy, which, adapter_dir) for strategy in cfg.strategies
             for which, adapter_dir in (("base", None), ("trained", adapter))]
     with stage_run(config, STAGE) as tracker:
-        results = run_evaluations([_eval_config(config, *job) for job in jobs], cfg.workers)
+        configs = [_eval_config(config, *job) for job in jobs]
+        # base runs found in the cache are copied, the others run (in the pool); base runs are then cached
+        results: list[dict | None] = [cached_result(c) if which == "base" and cfg.reuse_base_runs else None
+                                      for c, (_, which, _) in zip(configs, jobs)]
+        todo = [i for i, r in enumerate(results) if r is None]
+        for i, result in zip(todo, run_evaluations([configs[i] for i in todo], cfg.workers)):
+            results[i] = result
+            if jobs[i][1] == "base":
+                store_result(configs[i], Path(result["run_dir"]))
+        metrics["base_runs_reused"] = len(jobs) - len(todo)
         run_dirs = []
         for (strategy, which, _), result in zip(jobs, results):
             run_dirs.append(Path(result["run_dir"]))
@@ -105,7 +180,7 @@ def run(config: PipelineConfig) -> dict:
             metrics[f"{prefix}_final_test_accuracy"] = result["final_test_accuracy"]
             metrics[f"{prefix}_train_accuracy"] = result["train_accuracy"]
             metrics[f"{prefix}_regret"] = result["regret"]
-            metrics[f"{prefix}_seconds"] = round(result["seconds"], 1)
+            metrics[f"{prefix}_seconds"] = round(result["seconds"], 1)  # the run's own compute time
             if strategy == headline:
                 metrics[f"{which}_final_test_accuracy"] = result["final_test_accuracy"]
             for step, accuracy in result["test_accuracy"].items():

@@ -44,3 +44,24 @@ def test_promotion_gates():
     # without a zero-shot run (or without the requirement) only the gain and forgetting count
     no_zero_shot = {"gain": 0.1, "forgetting_drop": 0.0}
     assert gates(no_zero_shot, cfg) == {"passes_gain": True, "passes_forgetting": True, "eligible": True}
+
+
+def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_tmp):
+    from icrl_core.config import with_overrides
+    from tasks.evaluate import cached_result, result_key, store_result
+    from tasks.icrl_eval import evaluate
+
+    config = _configs(in_tmp / "runs")[0]
+    assert cached_result(config) is None
+    first = evaluate(config, progress=False)
+    store_result(config, Path(first["run_dir"]))
+    # speed-only settings and the run folder do not matter; the seed, the model and the settings do
+    assert result_key(with_overrides(config, {"icrl_eval.threads": 1, "icrl_eval.run_name": "x"})) == \
+        result_key(config)
+    for change in ({"seed": 1}, {"icrl_eval.seed": 7}, {"icrl_eval.p_keep": 0.5}, {"model.dtype": "bfloat16"}):
+        assert result_key(with_overrides(config, change)) != result_key(config), change
+    moved = with_overrides(config, {"icrl_eval.output_dir": str(in_tmp / "elsewhere")})
+    reused = cached_result(moved)
+    assert reused["cached"] and reused["test_accuracy"] == first["test_accuracy"]
+    assert _steps(reused["run_dir"]) == _steps(first["run_dir"])
+    assert Path(reused["run_dir"]).parent == in_tmp / "elsewhere"

@@ -375,10 +375,27 @@ def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | 
     return policy
 
 
+def saved_adapter(folder: Path | str) -> Adapter | None:
+    """The adapter type and shape a saved adapter folder was trained with (its adapter.json), or None."""
+    from pydantic import TypeAdapter, ValidationError
+
+    meta = Path(folder) / "adapter.json"
+    if not meta.exists():
+        return None
+    try:
+        return TypeAdapter(Adapter).validate_python(json.loads(meta.read_text())["adapter"])
+    except (ValueError, KeyError, ValidationError) as error:
+        raise CheckpointError(f"{meta}: not a valid adapter description ({error})") from error
+
+
 def policy_from_config(model_config, value_head: bool = False, seed: int = 0, adapter: Adapter | None = None,
                        init_adapter: Path | None = None) -> Policy:
-    """`load_policy` from a `ModelConfig` section."""
-    return load_policy(model_config.spec, model_config.dtype,
-                       adapter if adapter is not None else model_config.adapter, value_head,
-                       model_config.cache_dir, seed,
-                       init_adapter if init_adapter is not None else model_config.init_adapter)
+    """`load_policy` from a `ModelConfig` section.
+
+    A saved adapter to start from carries its own shape (adapter.json): it wins over `model_config.adapter`, so
+    an adapter trained with rank 16 loads without repeating `model.adapter.rank=16`."""
+    init_adapter = init_adapter if init_adapter is not None else model_config.init_adapter
+    if adapter is None:
+        adapter = (saved_adapter(init_adapter) if init_adapter is not None else None) or model_config.adapter
+    return load_policy(model_config.spec, model_config.dtype, adapter, value_head,
+                       model_config.cache_dir, seed, init_adapter)

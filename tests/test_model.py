@@ -5,9 +5,10 @@ import time
 import pytest
 import torch
 
-from icrl_core.config import LastBlocksAdapter, LoraAdapter
+from icrl_core.config import LastBlocksAdapter, LoraAdapter, ModelConfig
 from icrl_core.errors import CheckpointError
-from icrl_core.model import ValueHead, load_policy, materialize_gguf, packaged_gguf
+from icrl_core.model import (ValueHead, load_policy, materialize_gguf, packaged_gguf, policy_from_config,
+                             saved_adapter)
 
 
 def _ids(policy, text="Query: where is my card?"):
@@ -70,6 +71,12 @@ def test_adapter_save_load_round_trip(tmp_path):
     wrong = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=8))
     with pytest.raises(CheckpointError, match="shape"):
         wrong.load_adapter(tmp_path / "adapter")
+    # From a config whose adapter section says rank 8 (the default), the saved adapter's own shape wins.
+    config = ModelConfig(spec="tiny", init_adapter=tmp_path / "adapter")
+    assert config.adapter.rank != 4 and saved_adapter(tmp_path / "adapter") == LoraAdapter(rank=4)
+    from_config = policy_from_config(config, value_head=True)
+    with torch.no_grad():
+        assert torch.equal(a, from_config.forward(ids)[0])
 
 
 def test_value_head_save_load_round_trip(tmp_path):

@@ -12,7 +12,7 @@ changes, and reuse can only recompute it like the baseline does.
 
 Each (strategy, mode) runs in its own subprocess, so peak RSS (ru_maxrss, model included) is per run.
 
-    .venv/bin/python bench/icrl_eval_speed.py                     # everything (slow: recompute is the baseline)
+    .venv/bin/python bench/icrl_eval_speed.py                     # everything, 2048-token window (~20 min)
     .venv/bin/python bench/icrl_eval_speed.py --steps 50          # quicker
     .venv/bin/python bench/icrl_eval_speed.py --one naive reuse   # one run, JSON on stdout
 """
@@ -51,7 +51,8 @@ def one_run(strategy: str, mode: str, args) -> dict:
     task = load_task(args.task, args.tasks_dir)
     cfg = EvalConfig(task=args.task, strategy=strategy, train_k=args.steps, test_every=10**9, test_k=args.test_k,
                      seed=100, training_seed=100, test_seed=100, reuse_cache=(mode == "reuse"))
-    max_examples = max_context_examples(task, policy.tokens, show_for(cfg), policy.context_window)
+    window = args.context_window or policy.context_window
+    max_examples = max_context_examples(task, policy.tokens, show_for(cfg), window)
     capacity = cfg.max_contexts + 1 if strategy == "approximate" else 2
     predictor = Predictor(policy, policy.tokens, task.template, task.labels,
                           PrefixCache(policy, capacity=capacity, reuse=cfg.reuse_cache), cfg.temperature)
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("--tasks-dir", default=str(ROOT.parent / "shared" / "data" / "icrl-tasks"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 is fastest on a busy "
                         "2-core machine)")
+    parser.add_argument("--context-window", type=int, default=2048,
+                        help="context window in tokens that caps the in-context episodes (0: the model's own, 8192 "
+                        "for SmolLM2, where the recompute baseline alone takes about an hour on 2 cores)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--one", nargs=2, metavar=("STRATEGY", "MODE"), help="run one configuration, print JSON")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "icrl_eval_speed.json"))
@@ -114,7 +118,8 @@ def main() -> None:
         for mode in MODES:
             cmd = [sys.executable, __file__, "--one", strategy, mode, "--steps", str(args.steps), "--test-k",
                    str(args.test_k), "--task", args.task, "--model", args.model, "--tasks-dir", args.tasks_dir,
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads),
+                   "--context-window", str(args.context_window)]
             print(f"running {strategy} / {mode} ...", flush=True)
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":
                                                                           str(args.threads)})
@@ -145,7 +150,7 @@ def main() -> None:
                                                              / recompute[part]["steps_per_s"], 2)
     result = {
         "benchmark": "icrl_eval_speed", "task": args.task, "model": args.model, "dtype": "float32",
-        "steps": args.steps, "test_k": args.test_k, "threads": args.threads,
+        "steps": args.steps, "test_k": args.test_k, "threads": args.threads, "context_window": args.context_window,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_before": load_before,
                     "load_avg_after": os.getloadavg(),
                     "note": "shared 2-core machine; other jobs were running (see load averages)"},

@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--context-window", type=int, default=2048,
                         help="context window in tokens that caps the in-context episodes (0: the model's own, 8192 "
                         "for SmolLM2, where the recompute baseline alone takes about an hour on 2 cores)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run reuse and recompute one after the other instead of side by side")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--one", nargs=2, metavar=("STRATEGY", "MODE"), help="run one configuration, print JSON")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "icrl_eval_speed.json"))
@@ -115,20 +117,27 @@ def main() -> None:
     load_before = os.getloadavg()
     runs = []
     for strategy in args.strategies:
+        # The two modes of one strategy run side by side (one thread each on a 2-core machine), so both see
+        # the same machine load; --sequential runs them one after the other.
+        procs = {}
         for mode in MODES:
             cmd = [sys.executable, __file__, "--one", strategy, mode, "--steps", str(args.steps), "--test-k",
                    str(args.test_k), "--task", args.task, "--model", args.model, "--tasks-dir", args.tasks_dir,
-                   "--threads", str(args.threads),
-                   "--context-window", str(args.context_window)]
+                   "--threads", str(args.threads), "--context-window", str(args.context_window)]
             print(f"running {strategy} / {mode} ...", flush=True)
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS":
-                                                                          str(args.threads)})
-            if out.returncode != 0:
-                sys.exit(f"{strategy}/{mode} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
+            procs[mode] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+            if args.sequential:
+                procs[mode].wait()
+        for mode, proc in procs.items():
+            stdout, stderr = proc.communicate()
+            if proc.returncode != 0:
+                sys.exit(f"{strategy}/{mode} failed:\n{stderr[-3000:]}")
+            result = json.loads(stdout.strip().splitlines()[-1])
             runs.append(result)
-            print(f"  {result['steps_per_s']:.3f} steps/s, {result['tokens_computed_per_step']:.0f} tokens/step, "
-                  f"peak RSS {result['peak_rss_mb']:.0f} MB, {result['wall_seconds']:.0f}s", flush=True)
+            print(f"  {strategy}/{mode}: {result['steps_per_s']:.3f} steps/s, "
+                  f"{result['tokens_computed_per_step']:.0f} tokens/step, peak RSS {result['peak_rss_mb']:.0f} MB, "
+                  f"{result['wall_seconds']:.0f}s", flush=True)
 
     summary, identical = {}, True
     for strategy in args.strategies:
@@ -151,6 +160,7 @@ def main() -> None:
     result = {
         "benchmark": "icrl_eval_speed", "task": args.task, "model": args.model, "dtype": "float32",
         "steps": args.steps, "test_k": args.test_k, "threads": args.threads, "context_window": args.context_window,
+        "modes_side_by_side": not args.sequential,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_before": load_before,
                     "load_avg_after": os.getloadavg(),
                     "note": "shared 2-core machine; other jobs were running (see load averages)"},

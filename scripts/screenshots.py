@@ -11,7 +11,7 @@ deployment through the REST API with a parameter (what the UI's "Run" does), wai
     docs/screenshots/prefect-flow-run.png      the deployment's flow run: stage tasks, states, logs
     docs/screenshots/prefect-deployment.png    the deployment page
     docs/screenshots/mlflow-runs.png           the experiment's runs (pipeline run with nested stage runs)
-    docs/screenshots/mlflow-ppo-curves.png     the PPO stage run's metric curves
+    docs/screenshots/mlflow-charts.png         the PPO stage run's metric charts
     docs/screenshots/mlflow-model.png          the registered model, its versions and aliases
 
 Needs a Chromium binary (`apt-get install chromium`; --chromium to point at another).
@@ -86,11 +86,14 @@ def main() -> None:
         ppo_runs = client.search_runs([experiment.experiment_id], "tags.`icrl.stage` = 'ppo'",
                                       order_by=["attributes.start_time DESC"], max_results=1)
         mlflow_ui = services.mlflow_uri
-        shoot(args.chromium, f"{mlflow_ui}/#/experiments/{experiment.experiment_id}", args.out / "mlflow-runs.png")
+        runs_page = f"{mlflow_ui}/#/experiments/{experiment.experiment_id}/runs"
+        shoot(args.chromium, runs_page, args.out / "mlflow-runs.png", wait_ms=40000, size="1440,1100")
+        # The chart view of the runs renders in headless Chromium; a single run's "model metrics" tab does not
+        # (its charts stay on loading spinners), so the PPO stage's charts are taken from the runs page.
         if ppo_runs:
-            run = ppo_runs[0]
-            shoot(args.chromium, f"{mlflow_ui}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
-                  "/model-metrics", args.out / "mlflow-ppo-curves.png", size="1440,1400")
+            shoot(args.chromium, f"{runs_page}?compareRunsMode=CHART&searchFilter="
+                  "tags.%60icrl.stage%60%20%3D%20%27ppo%27", args.out / "mlflow-charts.png", wait_ms=40000,
+                  size="1440,1100")
         shoot(args.chromium, f"{mlflow_ui}/#/models/{args.registered_model}", args.out / "mlflow-model.png")
     finally:
         services.stop()

@@ -79,6 +79,7 @@ def result_key(config: PipelineConfig) -> str:
     import hashlib
     import json
 
+    from icrl_core.io import sha256_file
     from icrl_core.model import resolve_dtype
     from tasks.icrl_eval import FREE_ON_RESUME
 
@@ -87,7 +88,7 @@ def result_key(config: PipelineConfig) -> str:
         "model": {**config.model.model_dump(mode="json"), "dtype": resolve_dtype(config.model.dtype)},
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
-        "code": {name: hashlib.sha256((root / name).read_bytes()).hexdigest() for name in _HARNESS_SOURCES},
+        "code": {name: sha256_file(root / name) for name in _HARNESS_SOURCES},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -115,21 +116,19 @@ def cached_result(config: PipelineConfig) -> dict | None:
 
 
 def store_result(config: PipelineConfig, run_dir: Path) -> None:
-    """Keep a finished run under its `result_key` (copied to a temporary name, then renamed into place)."""
-    import os
+    """Keep a finished run under its `result_key` (written atomically; the first copy stored wins)."""
     import shutil
-    import tempfile
+
+    from icrl_core.io import atomic_dir
 
     target = RESULT_CACHE / result_key(config)
     if target.exists():
         return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    shutil.copytree(run_dir, tmp, dirs_exist_ok=True)
     try:
-        os.replace(tmp, target)
-    except OSError:  # stored concurrently by another process
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_dir(target, overwrite=False) as tmp:
+            shutil.copytree(run_dir, tmp, dirs_exist_ok=True)
+    except FileExistsError:  # stored concurrently by another process
+        pass
 
 
 def gates(metrics: dict, cfg) -> dict:

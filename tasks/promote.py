@@ -1,6 +1,7 @@
 """Stage `promote`: register the trained adapter (evaluate.adapter) in the MLflow model registry and give it the
 alias `champion` only if it beats the current champion on `evaluate.metric` AND the evaluate stage found it
-eligible (forgetting check and held-out gain passed, see tasks/evaluate.py: gates); otherwise `challenger`. Reads metrics/evaluate.json; writes metrics/promote.json."""
+eligible (forgetting check and held-out gain passed, see tasks/evaluate.py: gates); otherwise `challenger`.
+Reads metrics/evaluate.json; writes metrics/promote.json."""
 
 from __future__ import annotations
 

@@ -72,22 +72,61 @@ TrainWorker = Callable[[PipelineConfig, Runtime], dict]
 CHECKPOINT_ROOT = Path(".icrl") / "checkpoints"
 
 
-def config_fingerprint(config: PipelineConfig) -> str:
-    """Hash of everything that changes a stage's result (tracking/orchestration settings excluded), so a
-    checkpoint is only resumed by a run of the same configuration."""
+# The parameters a training stage's result depends on: its own (as dvc.yaml lists them) and, through its input
+# artifacts, those of every upstream stage. tests/test_stage_resume.py checks both maps against dvc.yaml.
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "build_dataset": ("seed", "model.spec", "data"),
+    "tokenize": ("model.spec", "data.episode_tokens", "tokenize"),
+    "bootstrap": ("seed", "model", "bootstrap", "ray.num_workers"),
+    "reward_model": ("seed", "model", "reward_model", "ray.num_workers"),
+    "ppo": ("seed", "model", "ppo", "ray.num_workers"),
+    "adapt": ("seed", "model", "adapt"),
+}
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "build_dataset": (),
+    "tokenize": ("build_dataset",),
+    "bootstrap": ("tokenize",),
+    "reward_model": ("tokenize", "bootstrap"),
+    "ppo": ("build_dataset", "bootstrap", "reward_model"),
+    "adapt": ("build_dataset", "ppo"),
+}
+
+
+def stage_param_keys(stage: str) -> list[str]:
+    """Dotted config keys that change `stage`'s result: its own params and its upstream stages', sorted."""
+    keys, todo, seen = set(), [stage], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        keys.update(STAGE_PARAMS[name])
+        todo.extend(STAGE_INPUTS[name])
+    return sorted(keys)
+
+
+def config_fingerprint(config: PipelineConfig, stage: str) -> str:
+    """Hash of the config values `stage`'s result depends on (stage_param_keys), so a checkpoint is resumed only
+    by a run whose result it belongs to, and survives edits elsewhere (evaluation, tracking, a new field of an
+    unrelated section)."""
     import hashlib
     import json
 
-    tree = config.model_dump(mode="json", exclude={"tracking", "prefect", "sweep"})
-    tree["ray"] = {"num_workers": config.ray.num_workers}
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+    tree = config.model_dump(mode="json")
+    picked = {}
+    for key in stage_param_keys(stage):
+        value = tree
+        for part in key.split("."):
+            value = value[part]
+        picked[key] = value
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 
 
 def checkpoint_dir_for(config: PipelineConfig, stage: str) -> Path:
     """`.icrl/checkpoints/<stage>-<config fingerprint>`: outside the stage's output folder (DVC deletes outputs
-    before re-running a stage, checkpoints must survive a kill) and keyed by the config (a changed parameter
-    never resumes an old run). Removed when the stage completes (`clear_checkpoints`)."""
-    return CHECKPOINT_ROOT / f"{stage}-{config_fingerprint(config)[:16]}"
+    before re-running a stage, checkpoints must survive a kill) and keyed by the values the stage depends on (a
+    changed parameter never resumes an old run). Removed when the stage completes (`clear_checkpoints`)."""
+    return CHECKPOINT_ROOT / f"{stage}-{config_fingerprint(config, stage)[:16]}"
 
 
 def clear_checkpoints(config: PipelineConfig, stage: str) -> None:

@@ -82,3 +82,38 @@ def test_bootstrap_resumes_after_sigkill_and_refuses_a_corrupt_checkpoint(tmp_pa
     b = load_file(str(killed / "artifacts/bootstrap/adapter/adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((killed / "metrics/bootstrap.json").read_text())["step"] == 8
+
+
+def _dvc_stages() -> dict:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]
+
+
+def test_checkpoint_keys_follow_the_dvc_pipeline():
+    """The checkpoint key of a stage covers the params dvc.yaml gives it, and its upstream stages are the ones
+    whose outputs it reads, so a checkpoint is never resumed against changed inputs."""
+    from tasks.runtime import STAGE_INPUTS, STAGE_PARAMS
+
+    stages = _dvc_stages()
+    outputs = {out: name for name, stage in stages.items() for out in stage.get("outs", [])}
+    for name, params in STAGE_PARAMS.items():
+        assert sorted(stages[name]["params"]) == sorted(params), name
+        upstream = {outputs[dep] for dep in stages[name]["deps"] if dep in outputs}
+        assert upstream == set(STAGE_INPUTS[name]), name
+
+
+def test_checkpoint_key_changes_only_with_what_the_stage_depends_on():
+    from icrl_core.config import PipelineConfig, with_overrides
+    from tasks.runtime import checkpoint_dir_for
+
+    base = PipelineConfig()
+    key = checkpoint_dir_for(base, "bootstrap")
+    for unrelated in ({"icrl_eval.test_k": 7}, {"evaluate.workers": 2}, {"ppo.kl_beta": 0.5},
+                      {"tracking.enabled": False}, {"ray.address": "127.0.0.1:6379"}):
+        assert checkpoint_dir_for(with_overrides(base, unrelated), "bootstrap") == key, unrelated
+    for related in ({"bootstrap.learning_rate": 1.23e-4}, {"data.num_episodes": 7}, {"model.adapter.rank": 4},
+                    {"seed": 3}, {"ray.num_workers": 2}, {"tokenize.train_exemplars": not PipelineConfig().tokenize.train_exemplars}):
+        assert checkpoint_dir_for(with_overrides(base, related), "bootstrap") != key, related
+    # ppo reads the bootstrap adapter, so a bootstrap change is a ppo change; the reverse is not.
+    assert checkpoint_dir_for(with_overrides(base, {"bootstrap.max_steps": 3}), "ppo") != checkpoint_dir_for(base, "ppo")

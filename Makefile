@@ -51,6 +51,7 @@ experiment: setup
 	$(ICRL) pipeline --experiment experiments/icrl_skill.yaml
 
 screenshots: setup
+	$(PIP) install -q -c constraints.txt -e '.[screenshots]'
 	$(PY) scripts/screenshots.py
 
 constraints:

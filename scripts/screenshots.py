@@ -11,10 +11,14 @@ deployment through the REST API with a parameter (what the UI's "Run" does), wai
     docs/screenshots/prefect-flow-run.png      the deployment's flow run: stage tasks, states, logs
     docs/screenshots/prefect-deployment.png    the deployment page
     docs/screenshots/mlflow-runs.png           the experiment's runs (pipeline run with nested stage runs)
-    docs/screenshots/mlflow-charts.png         the PPO stage run's metric charts
+    docs/screenshots/mlflow-charts.png         the PPO stage runs compared in the runs chart view
+    docs/screenshots/mlflow-run-curves.png     the PPO stage run's metric curves by step (reward, KL, entropy,
+                                               losses, validation accuracy)
     docs/screenshots/mlflow-model.png          the registered model, its versions and aliases
 
-Needs a Chromium binary (`apt-get install chromium`; --chromium to point at another).
+Needs a Chromium binary (`apt-get install chromium`; --chromium to point at another) and, for the run's curves,
+the `screenshots` extra (Playwright, driving that same Chromium: a run's metric page renders its charts only in
+real time, not under --virtual-time-budget).
 """
 
 from __future__ import annotations
@@ -39,6 +43,35 @@ def shoot(chromium: str, url: str, out: Path, wait_ms: int = 15000, size: str = 
                f"--screenshot={tmp}", url]
     subprocess.run(command, check=True, capture_output=True, timeout=180)
     os.replace(tmp, out)  # atomic: a failed shot never leaves half an image
+    print(f"{out}  <-  {url}")
+
+
+RUN_CURVES = "^(mean_reward|val_accuracy|kl|entropy|policy_loss|value_loss)$"
+
+
+def shoot_run_curves(chromium: str, url: str, out: Path, metric_filter: str = RUN_CURVES,
+                     settle_s: float = 10.0) -> None:
+    """An MLflow run's "Model metrics" tab filtered to `metric_filter` (a regex in the page's search box),
+    through Playwright so the charts get real time to load (they stay on spinners under virtual time)."""
+    from playwright.sync_api import sync_playwright
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.png")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium,
+                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.goto(url)
+            search = page.get_by_placeholder("Search metric charts")
+            search.wait_for(timeout=60_000)
+            time.sleep(settle_s)
+            search.fill(metric_filter)
+            time.sleep(settle_s)
+            page.screenshot(path=str(tmp))
+        finally:
+            browser.close()
+    os.replace(tmp, out)
     print(f"{out}  <-  {url}")
 
 
@@ -88,9 +121,10 @@ def main() -> None:
         mlflow_ui = services.mlflow_uri
         runs_page = f"{mlflow_ui}/#/experiments/{experiment.experiment_id}/runs"
         shoot(args.chromium, runs_page, args.out / "mlflow-runs.png", wait_ms=40000, size="1440,1100")
-        # The chart view of the runs renders in headless Chromium; a single run's "model metrics" tab does not
-        # (its charts stay on loading spinners), so the PPO stage's charts are taken from the runs page.
         if ppo_runs:
+            run = ppo_runs[0].info
+            shoot_run_curves(args.chromium, f"{mlflow_ui}/#/experiments/{experiment.experiment_id}/runs/"
+                             f"{run.run_id}/model-metrics", args.out / "mlflow-run-curves.png")
             shoot(args.chromium, f"{runs_page}?compareRunsMode=CHART&searchFilter="
                   "tags.%60icrl.stage%60%20%3D%20%27ppo%27", args.out / "mlflow-charts.png", wait_ms=40000,
                   size="1440,1100")

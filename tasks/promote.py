@@ -25,4 +25,5 @@ def run(config: PipelineConfig, evaluation: Path = Path("metrics/evaluate.json")
     if metrics.get(name) is None:
         raise UserError(f"{evaluation} has no value for evaluate.metric '{name}'")
     eligible = bool(metrics.get("eligible", metrics.get("passes_forgetting", True)))
-    return run_promotion(config, Path(config.evaluate.adapter), float(metrics[name]), name, eligible=eligible)
+    return run_promotion(config, Path(config.evaluate.adapter), float(metrics[name]), name, eligible=eligible,
+                         evaluation=metrics)

@@ -44,14 +44,21 @@ class Promotion:
 
 
 def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str,
-                    run_id: str | None = None) -> str:
-    """Log the adapter as a pyfunc model in `run_id` (or a new run) and register it; return the version."""
+                    run_id: str | None = None, evaluation: dict[str, Any] | None = None) -> str:
+    """Log the adapter as a pyfunc model in `run_id` (or a new run) and register it; return the version.
+    `evaluation` (the evaluate stage's metrics) goes with it: numbers as metrics of the registering run (so the
+    version's source run shows them), everything else as its tags."""
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter.safetensors").exists():
         raise UserError(f"{adapter_dir}: no trained adapter to register (adapter.safetensors missing)")
     mlflow = setup(config.tracking)
     model_config = {"model": {**config.model.model_dump(mode="json"), "init_adapter": None}}
     with mlflow.start_run(run_id=run_id, run_name=None if run_id else "register"):
+        if evaluation:
+            numbers = {k: float(v) for k, v in evaluation.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            mlflow.log_metrics(numbers)
+            mlflow.set_tags({f"icrl.eval.{k}": str(v) for k, v in evaluation.items() if k not in numbers})
         info = mlflow.pyfunc.log_model(
             name="policy", python_model=str(PYFUNC_CODE), artifacts={"adapter": str(adapter_dir)},
             model_config=model_config, pip_requirements=["icrl"],
@@ -114,11 +121,13 @@ def load_registered_policy(uri: str, tracking: str | None = None):
 
 
 def run_promotion(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str,
-                  output: Path | None = Path("metrics/promote.json"), eligible: bool = True) -> dict[str, Any]:
-    """Register the adapter and promote it; write the outcome to `output` (the DVC metrics file)."""
+                  output: Path | None = Path("metrics/promote.json"), eligible: bool = True,
+                  evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Register the adapter (with its `evaluation` metrics) and promote it; write the outcome to `output` (the DVC
+    metrics file)."""
     from tasks.runtime import write_stage_metrics
 
-    version = register_policy(config, adapter_dir, metric, metric_name)
+    version = register_policy(config, adapter_dir, metric, metric_name, evaluation=evaluation)
     result = promote(config, version, metric, eligible=eligible).as_dict()
     result["eligible"] = eligible
     result["tracking_uri"] = tracking_uri(config.tracking)

@@ -37,7 +37,9 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
     assert r1["alias"] == CHAMPION and r1["previous_champion_metric"] is None
     r2 = run_promotion(config, second, 0.40, "accuracy")  # worse: challenger, champion unchanged
     assert r2["alias"] == CHALLENGER and r2["previous_champion_metric"] == 0.50
-    r3 = run_promotion(config, third, 0.60, "accuracy")  # better: new champion
+    # better: new champion, registered with the evaluation that earned it
+    r3 = run_promotion(config, third, 0.60, "accuracy",
+                       evaluation={"accuracy": 0.60, "forgetting_drop": 0.01, "eligible": True, "task": "toy"})
     assert r3["alias"] == CHAMPION and r3["version"] == "3"
     assert (in_tmp / "metrics" / "promote.json").exists()
 
@@ -46,6 +48,9 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
     client = mlflow.MlflowClient()
     assert str(client.get_model_version_by_alias("icrl-test", CHAMPION).version) == "3"
     assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "2"
+    source = client.get_run(client.get_model_version("icrl-test", "3").run_id).data
+    assert source.metrics["accuracy"] == 0.60 and source.metrics["forgetting_drop"] == 0.01
+    assert source.tags["icrl.eval.eligible"] == "True" and source.tags["icrl.eval.task"] == "toy"
 
     loaded = load_registered_policy("models:/icrl-test/1")
     ids = torch.tensor([first_policy.tokenizer.encode("hello there")])

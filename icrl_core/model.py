@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,7 +343,10 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, dict[i
 
         lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
                           target_modules=list(adapter.target_modules), bias="none", task_type="CAUSAL_LM")
-        return get_peft_model(model, lora), {}
+        with warnings.catch_warnings():
+            # PEFT reads transformers' deprecated `is_gradient_checkpointing` alias: noise on every stage start
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, lora), {}
     if isinstance(adapter, LastBlocksAdapter):
         layers = model.model.layers
         if adapter.n_blocks > len(layers):

@@ -506,6 +506,9 @@ class RayConfig(Section):
     max_failures: Annotated[int, Field(ge=0, description="Worker failures a Ray Train job survives by "
                                        "restarting from its last checkpoint.")] = 2
     enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = False
+    worker_niceness: Annotated[int, Field(ge=0, le=19, description="Niceness of a local Ray's worker processes. "
+                                          "Ray's own default, 15, makes training jobs starve behind any other "
+                                          "CPU job on a small shared machine; 0 runs them like the driver.")] = 0
 
 
 class PrefectConfig(Section):

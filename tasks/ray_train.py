@@ -42,6 +42,8 @@ def ensure_ray(cfg: RayConfig) -> None:
         return
     for key, value in ENV_DEFAULTS.items():  # local workers inherit the driver's environment
         os.environ.setdefault(key, value)
+    # The raylet reads its config from RAY_<name> variables when it starts (Ray's default niceness is 15).
+    os.environ["RAY_worker_niceness"] = str(cfg.worker_niceness)
     temp_dir = (RAY_DIR / "ray").resolve()
     temp_dir.mkdir(parents=True, exist_ok=True)
     # No dashboard (it would need ray[default] and another port); Ray's own INFO/WARNING chatter from its

@@ -74,6 +74,19 @@ def test_a_killed_worker_is_replaced_and_resumes_from_the_checkpoint(ray_session
     assert result["weight"] == pytest.approx(uninterrupted["weight"], abs=1e-5)
 
 
+def test_local_ray_workers_run_at_the_configured_niceness(ray_session):
+    """Ray's default (15) starves training behind any other CPU job; ray.worker_niceness (0) is applied."""
+    import os
+
+    import ray
+
+    from tasks.ray_train import ensure_ray
+
+    ensure_ray(_config(1).ray)
+    niceness = ray.get(ray.remote(num_cpus=1)(lambda: os.nice(0)).remote())
+    assert niceness == os.nice(0) + _config(1).ray.worker_niceness
+
+
 def test_ray_listens_on_loopback_only(ray_session):
     import ray
 

@@ -66,6 +66,10 @@ def shoot_run_curves(chromium: str, url: str, out: Path, metric_filter: str = RU
             search = page.get_by_placeholder("Search metric charts")
             search.wait_for(timeout=60_000)
             time.sleep(settle_s)
+            try:  # the "MLflow Assistant" side panel opens by default and hides a column of charts
+                page.locator("button[aria-label*='lose']").first.click(timeout=5_000)
+            except Exception:  # noqa: BLE001 - no panel in this MLflow version: nothing to close
+                pass
             search.fill(metric_filter)
             time.sleep(settle_s)
             page.screenshot(path=str(tmp))

@@ -55,8 +55,8 @@ def shoot_run_curves(chromium: str, url: str, out: Path, metric_filter: str = RU
     through Playwright so the charts get real time to load (they stay on spinners under virtual time)."""
     from playwright.sync_api import sync_playwright
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.png")
+    from icrl_core.io import atomic_write_bytes
+
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium,
                                              args=["--no-sandbox", "--disable-dev-shm-usage"])
@@ -72,10 +72,10 @@ def shoot_run_curves(chromium: str, url: str, out: Path, metric_filter: str = RU
                 pass
             search.fill(metric_filter)
             time.sleep(settle_s)
-            page.screenshot(path=str(tmp))
+            image = page.screenshot()
         finally:
             browser.close()
-    os.replace(tmp, out)
+    atomic_write_bytes(out, image)
     print(f"{out}  <-  {url}")
 
 

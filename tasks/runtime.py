@@ -111,14 +111,10 @@ def config_fingerprint(config: PipelineConfig, stage: str) -> str:
     unrelated section)."""
     import hashlib
     import json
+    from functools import reduce
 
     tree = config.model_dump(mode="json")
-    picked = {}
-    for key in stage_param_keys(stage):
-        value = tree
-        for part in key.split("."):
-            value = value[part]
-        picked[key] = value
+    picked = {key: reduce(dict.__getitem__, key.split("."), tree) for key in stage_param_keys(stage)}
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 
 

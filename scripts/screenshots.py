@@ -53,6 +53,7 @@ def shoot_run_curves(chromium: str, url: str, out: Path, metric_filter: str = RU
                      settle_s: float = 10.0) -> None:
     """An MLflow run's "Model metrics" tab filtered to `metric_filter` (a regex in the page's search box),
     through Playwright so the charts get real time to load (they stay on spinners under virtual time)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     from icrl_core.io import atomic_write_bytes
@@ -68,7 +69,7 @@ def shoot_run_curves(chromium: str, url: str, out: Path, metric_filter: str = RU
             time.sleep(settle_s)
             try:  # the "MLflow Assistant" side panel opens by default and hides a column of charts
                 page.locator("button[aria-label*='lose']").first.click(timeout=5_000)
-            except Exception:  # noqa: BLE001 - no panel in this MLflow version: nothing to close
+            except PlaywrightTimeout:  # no panel in this MLflow version: nothing to close
                 pass
             search.fill(metric_filter)
             time.sleep(settle_s)

@@ -586,3 +586,40 @@ def summarize(steps: Sequence[dict], tests: Sequence[dict]) -> dict:
         "test_tokens_processed": sum(t["tokens_computed"] for t in tests),
         "seconds": sum(s["seconds"] for s in steps) + sum(t["seconds"] for t in tests),
     }
+
+
+def behaviour(steps: Sequence[dict], tests: Sequence[dict], window: int) -> dict:
+    """How a run behaved, to tell learning from collapse: per window of `window` training steps, the accuracy,
+    how often each label was predicted and rewarded, the mean probability of the sampled answer (near 1: the
+    policy no longer explores) and the mean context size; per evaluation, the test accuracy and the test answers'
+    label counts. `top_share` is the most predicted label's share (1.0: every answer is one label)."""
+    if window < 1:
+        raise UserError(f"window must be >= 1, got {window}")
+    predicted = [s for s in steps if s.get("prediction") is not None]
+    windows = []
+    for start in range(0, len(predicted), window):
+        chunk = predicted[start:start + window]
+        counts: dict[str, int] = {}
+        correct: dict[str, int] = {}
+        for s in chunk:
+            counts[s["prediction"]] = counts.get(s["prediction"], 0) + 1
+            if s["reward"]:
+                correct[s["prediction"]] = correct.get(s["prediction"], 0) + 1
+        windows.append({
+            "first_step": chunk[0]["step"], "last_step": chunk[-1]["step"],
+            "accuracy": sum(s["reward"] for s in chunk) / len(chunk),
+            "predictions": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+            "rewarded": dict(sorted(correct.items(), key=lambda kv: -kv[1])),
+            "top_share": max(counts.values()) / len(chunk),
+            "mean_answer_prob": float(np.mean([s["prob"] for s in chunk])) if "prob" in chunk[0] else None,
+            "mean_context_episodes": float(np.mean([len(s.get("context", [])) for s in chunk])),
+        })
+    evaluations = []
+    for t in tests:
+        counts = {}
+        for label in t["predictions"]:
+            counts[label] = counts.get(label, 0) + 1
+        evaluations.append({"step": t["step"], "accuracy": t["accuracy"], "context_size": t["context_size"],
+                            "predictions": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+                            "top_share": max(counts.values()) / len(t["predictions"]) if counts else None})
+    return {"windows": windows, "evaluations": evaluations}

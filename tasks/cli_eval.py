@@ -1,6 +1,8 @@
 """CLI commands of the in-context RL evaluation harness: `icrl eval`, `icrl max-examples`, `icrl count-tokens`,
-`icrl plot`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can set any key."""
+`icrl inspect`, `icrl plot`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
+set any key."""
 
+import json
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -194,6 +196,44 @@ def register(app: typer.Typer) -> None:
             table.add_row(run_dir.name, str(c["steps"]), f"{c['tokens_computed']:,}", f"{c['tokens_per_step']:.0f}",
                           f"{c['prompt_tokens']:,}", f"{c['reuse_factor']:.1f}x")
         console().print(table)
+
+    @app.command("inspect")
+    def inspect_command(
+        run_dir: Annotated[Path, typer.Argument(help="Run folder of `icrl eval`.", show_default=False)],
+        window: Annotated[int, typer.Option(min=1, help="Training steps per row of the table.")] = 250,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of tables.")] = False,
+    ) -> None:
+        """How a run behaved, to tell learning from collapse: per window of training steps the accuracy, the
+        labels predicted and rewarded, the mean probability of the sampled answer (near 1: no exploration left)
+        and the context size; per evaluation the test accuracy and the labels of the test answers."""
+        from rich.table import Table
+
+        from tasks.icrl_eval import inspect_run
+
+        report = inspect_run(run_dir, window)
+        if as_json:
+            typer.echo(json.dumps(report, indent=2))
+            return
+
+        def counts(c: dict) -> str:
+            return ", ".join(f"{label} {n}" for label, n in c.items()) or "-"
+
+        train = Table("steps", "accuracy", "predicted", "rewarded", "top label share", "answer prob",
+                      "context episodes", title=f"{run_dir.name}: training stream")
+        for w in report["windows"]:
+            prob = "-" if w["mean_answer_prob"] is None else f"{w['mean_answer_prob']:.2f}"
+            train.add_row(f"{w['first_step']}-{w['last_step']}", f"{w['accuracy']:.3f}", counts(w["predictions"]),
+                          counts(w["rewarded"]), f"{w['top_share']:.2f}", prob, f"{w['mean_context_episodes']:.1f}")
+        test = Table("step", "accuracy", "context episodes", "test answers", "top label share",
+                     title=f"{run_dir.name}: evaluations")
+        for e in report["evaluations"]:
+            share = "-" if e["top_share"] is None else f"{e['top_share']:.2f}"
+            test.add_row(str(e["step"]), f"{e['accuracy']:.3f}", str(e["context_size"]), counts(e["predictions"]),
+                         share)
+        out = console()
+        if report["windows"]:
+            out.print(train)
+        out.print(test)
 
     @app.command("plot")
     def plot_command(

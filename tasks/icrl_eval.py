@@ -196,6 +196,18 @@ def count_tokens(run_dir: Path) -> dict:
     }
 
 
+def inspect_run(run_dir: Path, window: int) -> dict:
+    """`behaviour` of a finished (or partial) run folder: per-window accuracy, label counts and answer
+    confidence, and the test answers' label counts at each evaluation."""
+    from icrl_core.icrl_eval import behaviour
+
+    steps, _ = read_jsonl(Path(run_dir) / "steps.jsonl")
+    tests, _ = read_jsonl(Path(run_dir) / "tests.jsonl")
+    if not steps and not tests:
+        raise UserError(f"{run_dir}: no steps.jsonl/tests.jsonl here (is it an icrl eval run folder?)")
+    return {"run": str(run_dir), **behaviour(steps, tests, window)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model, task and cap
 

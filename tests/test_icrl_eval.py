@@ -13,7 +13,8 @@ from icrl_core.errors import UserError
 from icrl_core.icrl_eval import (Approximate, EpisodeRecord, Explorative, Naive, NaivePlus, Predictor, Show,
                                  StepEvent, SupervisedICL, decode_rng, flip_draw, is_supervised,
                                  make_strategy, max_context_examples, needed_nodes, render_context, render_query,
-                                 run_protocol, sample_child, show_for, summarize, evaluation_steps)
+                                 run_protocol, sample_child, show_for, summarize, evaluation_steps,
+                                 behaviour)
 from icrl_core.kernels import LabelTrie, PrefixCache
 from icrl_core.prompting import template_for
 from icrl_core.task_data import keyword_map, load_task
@@ -272,3 +273,24 @@ def test_continuing_from_a_logged_history_reproduces_the_run(tiny, strategy):
     resumed = [e.to_json() for e in run_protocol(make(), task, cfg, 12, history_from_events(steps[:k]))]
     tail = [e for e in full if e["step"] >= k]
     assert _deterministic(resumed) == _deterministic(tail)
+
+
+def test_behaviour_reports_collapse_per_window():
+    """Two windows: the first explores (two labels), the second answers one label with certainty."""
+    steps = ([{"step": i, "prediction": "a" if i % 2 else "b", "reward": i % 2, "prob": 0.5, "context": []}
+              for i in range(4)]
+             + [{"step": i, "prediction": "a", "reward": 0, "prob": 1.0, "context": [0, 1]} for i in range(4, 8)])
+    tests = [{"step": 7, "accuracy": 0.5, "context_size": 2, "predictions": ["a", "a", "a", "b"]}]
+    report = behaviour(steps, tests, window=4)
+    first, second = report["windows"]
+    assert (first["first_step"], first["last_step"], first["accuracy"]) == (0, 3, 0.5)
+    assert first["predictions"] == {"b": 2, "a": 2} and first["rewarded"] == {"a": 2}
+    assert first["top_share"] == 0.5 and first["mean_answer_prob"] == 0.5
+    assert second["predictions"] == {"a": 4} and second["rewarded"] == {} and second["top_share"] == 1.0
+    assert second["mean_context_episodes"] == 2.0
+    assert report["evaluations"] == [{"step": 7, "accuracy": 0.5, "context_size": 2,
+                                      "predictions": {"a": 3, "b": 1}, "top_share": 0.75}]
+    supervised = [{"step": 0, "prediction": None, "reward": None}]  # ICL steps predict nothing
+    assert behaviour(supervised, tests, window=4)["windows"] == []
+    with pytest.raises(UserError):
+        behaviour(steps, tests, window=0)

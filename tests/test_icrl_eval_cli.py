@@ -1,4 +1,4 @@
-"""`icrl eval` end to end (tiny model): run folder, MLflow, kill -9 + --resume, count-tokens, plot, max-examples,
+"""`icrl eval` end to end (tiny model): run folder, MLflow, kill -9 + --resume, count-tokens, inspect, plot, max-examples,
 and the Hugging Face dataset path (a DatasetDict saved to disk)."""
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def test_eval_run_folder_tracking_and_tools(tmp_path):
     assert other.returncode == 0, other.stderr
     counted = run_cli("count-tokens", str(run_dir), str(tmp_path / "runs" / "naive"), cwd=tmp_path, env=ENV)
     assert counted.returncode == 0 and "reuse factor" in counted.stdout and "full" in counted.stdout
+    inspected = run_cli("inspect", str(run_dir), "--window", "20", "--json", cwd=tmp_path, env=ENV)
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(inspected.stdout)
+    assert [w["first_step"] for w in report["windows"]] == [0, 20, 40]
+    assert [e["step"] for e in report["evaluations"]] == [0, 19, 39, 59]
+    table = run_cli("inspect", str(run_dir), cwd=tmp_path, env=ENV)
+    assert table.returncode == 0 and "top label share" in table.stdout
     png = tmp_path / "cmp.png"
     plotted = run_cli("plot", str(run_dir), str(tmp_path / "runs" / "naive"), "--output", str(png), "--title", "t",
                       cwd=tmp_path, env=ENV)

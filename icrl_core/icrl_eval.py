@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -599,27 +600,20 @@ def behaviour(steps: Sequence[dict], tests: Sequence[dict], window: int) -> dict
     windows = []
     for start in range(0, len(predicted), window):
         chunk = predicted[start:start + window]
-        counts: dict[str, int] = {}
-        correct: dict[str, int] = {}
-        for s in chunk:
-            counts[s["prediction"]] = counts.get(s["prediction"], 0) + 1
-            if s["reward"]:
-                correct[s["prediction"]] = correct.get(s["prediction"], 0) + 1
+        counts = Counter(s["prediction"] for s in chunk)
         windows.append({
             "first_step": chunk[0]["step"], "last_step": chunk[-1]["step"],
             "accuracy": sum(s["reward"] for s in chunk) / len(chunk),
-            "predictions": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-            "rewarded": dict(sorted(correct.items(), key=lambda kv: -kv[1])),
-            "top_share": max(counts.values()) / len(chunk),
+            "predictions": dict(counts.most_common()),
+            "rewarded": dict(Counter(s["prediction"] for s in chunk if s["reward"]).most_common()),
+            "top_share": counts.most_common(1)[0][1] / len(chunk),
             "mean_answer_prob": float(np.mean([s["prob"] for s in chunk])) if "prob" in chunk[0] else None,
             "mean_context_episodes": float(np.mean([len(s.get("context", [])) for s in chunk])),
         })
     evaluations = []
     for t in tests:
-        counts = {}
-        for label in t["predictions"]:
-            counts[label] = counts.get(label, 0) + 1
+        counts = Counter(t["predictions"])
         evaluations.append({"step": t["step"], "accuracy": t["accuracy"], "context_size": t["context_size"],
-                            "predictions": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-                            "top_share": max(counts.values()) / len(t["predictions"]) if counts else None})
+                            "predictions": dict(counts.most_common()),
+                            "top_share": counts.most_common(1)[0][1] / len(t["predictions"]) if counts else None})
     return {"windows": windows, "evaluations": evaluations}

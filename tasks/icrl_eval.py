@@ -174,12 +174,18 @@ def plot_learning_curves(run_dirs: Sequence[Path], output: Path, title: str | No
     return output
 
 
-def count_tokens(run_dir: Path) -> dict:
-    """Tokens a finished (or partial) run fed through the model, and what recomputing every prompt would feed."""
+def read_run_logs(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The per-step and per-evaluation logs of a run folder; a folder with neither is a user error."""
     steps, _ = read_jsonl(Path(run_dir) / "steps.jsonl")
     tests, _ = read_jsonl(Path(run_dir) / "tests.jsonl")
     if not steps and not tests:
         raise UserError(f"{run_dir}: no steps.jsonl/tests.jsonl here (is it an icrl eval run folder?)")
+    return steps, tests
+
+
+def count_tokens(run_dir: Path) -> dict:
+    """Tokens a finished (or partial) run fed through the model, and what recomputing every prompt would feed."""
+    steps, tests = read_run_logs(run_dir)
     predicted = [s for s in steps if s.get("prediction") is not None]
     computed_train = sum(s["tokens_computed"] for s in steps)
     computed_test = sum(t["tokens_computed"] for t in tests)
@@ -201,10 +207,7 @@ def inspect_run(run_dir: Path, window: int) -> dict:
     confidence, and the test answers' label counts at each evaluation."""
     from icrl_core.icrl_eval import behaviour
 
-    steps, _ = read_jsonl(Path(run_dir) / "steps.jsonl")
-    tests, _ = read_jsonl(Path(run_dir) / "tests.jsonl")
-    if not steps and not tests:
-        raise UserError(f"{run_dir}: no steps.jsonl/tests.jsonl here (is it an icrl eval run folder?)")
+    steps, tests = read_run_logs(run_dir)
     return {"run": str(run_dir), **behaviour(steps, tests, window)}
 
 

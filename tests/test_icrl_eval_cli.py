@@ -1,5 +1,5 @@
-"""`icrl eval` end to end (tiny model): run folder, MLflow, kill -9 + --resume, count-tokens, inspect, plot, max-examples,
-and the Hugging Face dataset path (a DatasetDict saved to disk)."""
+"""`icrl eval` end to end (tiny model): run folder, MLflow, kill -9 + --resume, count-tokens, inspect, plot,
+max-examples, and the Hugging Face dataset path (a DatasetDict saved to disk)."""
 
 from __future__ import annotations
 

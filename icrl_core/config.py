@@ -398,6 +398,10 @@ class EvalConfig(Section):
                                        "predictions). Default: false for strategy icl, true otherwise.")] = None
     temperature: Annotated[float, Field(ge=0, description="Sampling temperature of constrained decoding "
                                         "(0 = greedy).")] = 1.0
+    test_temperature: Annotated[float | None, Field(ge=0, description="Sampling temperature of the test "
+                                                   "predictions only (0 = greedy). Default: temperature. Set it "
+                                                   "to explore at another temperature on the training stream "
+                                                   "while keeping the test protocol fixed.")] = None
     p_keep: Annotated[float, Field(gt=0, le=1, description="Probability that a past episode is kept "
                                    "(explorative, approximate).")] = 0.1
     max_contexts: Annotated[int, Field(ge=1, description="Number of contexts of the approximate strategy.")] = 8

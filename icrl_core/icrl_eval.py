@@ -424,9 +424,12 @@ class Predictor:
         self._per_query_nodes = len(needed_nodes(self.trie)) if self.expand == "trie" else self.trie.max_depth
 
     def predict(self, context_ids: Sequence[int], user_open: bool, queries: Sequence[str],
-                rngs: Sequence[np.random.Generator]) -> tuple[list[Prediction], int]:
+                rngs: Sequence[np.random.Generator], temperature: float | None = None,
+                ) -> tuple[list[Prediction], int]:
         """(predictions, tokens computed). Queries are packed into passes of about `batch_tokens` new tokens over
-        one cached context; without reuse each query recomputes the whole prompt (the reference baseline)."""
+        one cached context; without reuse each query recomputes the whole prompt (the reference baseline).
+        `temperature` overrides the predictor's for this call (the test predictions' own temperature)."""
+        temperature = self.temperature if temperature is None else temperature
         query_ids = [render_query(self.tokens, self.template, q, user_open) for q in queries]
         batches: list[list[int]] = [[]]
         budget = 0
@@ -443,7 +446,7 @@ class Predictor:
             entry, n_prefix = self.cache.prepare(context_ids)
             computed += n_prefix
             with TreeScorer(self.policy, entry.cache, len(context_ids)) as scorer:
-                out = decode_batch(scorer, [query_ids[i] for i in batch], self.trie, self.temperature,
+                out = decode_batch(scorer, [query_ids[i] for i in batch], self.trie, temperature,
                                    [rngs[i] for i in batch], self.expand)
                 computed += scorer.computed
             for i, pred in zip(batch, out):
@@ -559,7 +562,8 @@ def run_protocol(predictor: Predictor, task: ClassificationTask, cfg: EvalConfig
         if step in tests:
             test_started = clock()
             rngs = [decode_rng(cfg.seed, step, TEST_DECODE_STREAM, i) for i in range(len(test))]
-            preds, test_computed = predictor.predict(context_ids, user_open, [e.text for e in test], rngs)
+            preds, test_computed = predictor.predict(context_ids, user_open, [e.text for e in test], rngs,
+                                                     cfg.test_temperature)
             labels = [task.labels[p.label] for p in preds]
             accuracy = sum(lb == e.label for lb, e in zip(labels, test)) / len(test)
             test_prompt = sum(len(context_ids) + len(render_query(tokens, template, e.text, user_open))

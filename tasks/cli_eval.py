@@ -45,6 +45,9 @@ def register(app: typer.Typer) -> None:
                                                               "--context_strategy_name).", show_default=False)] = None,
         temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature of constrained decoding "
                                                              "(0 = greedy).", min=0, show_default=False)] = None,
+        test_temperature: Annotated[Optional[float], typer.Option(help="Temperature of the test predictions only "
+                                                                  "(0 = greedy). Default: --temperature.", min=0,
+                                                                  show_default=False)] = None,
         p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode (explorative, "
                                                         "approximate; the paper's --context_p_keep).",
                                                         show_default=False)] = None,
@@ -122,8 +125,8 @@ def register(app: typer.Typer) -> None:
         from tasks.icrl_eval import evaluate
 
         extra = _flag_overrides(
-            task=task, strategy=strategy, temperature=temperature, p_keep=p_keep, max_examples=max_examples,
-            context_window=context_window, icrl=icrl, omit_feedback=omit_feedback,
+            task=task, strategy=strategy, temperature=temperature, test_temperature=test_temperature, p_keep=p_keep,
+            max_examples=max_examples, context_window=context_window, icrl=icrl, omit_feedback=omit_feedback,
             flip_feedback_prob=flip_feedback_prob, max_contexts=max_contexts,
             approximate_sampling=approximate_sampling, train_k=train_k, test_every=test_every, test_k=test_k,
             seed=seed, training_seed=training_seed, test_seed=test_seed, debug_k=debug_k, source=source,

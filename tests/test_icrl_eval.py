@@ -231,6 +231,20 @@ def test_flipped_feedback_and_summary(tiny):
     assert metrics["tokens_processed"] == sum(s["tokens_computed"] for s in steps + tests)
 
 
+def test_test_temperature_changes_only_the_test_predictions(tiny):
+    task = keyword_map(seed=0)
+    cfg = EvalConfig(strategy="zero_shot", train_k=10, test_every=5, test_k=8, temperature=1.0)
+    steps, tests = _run(tiny, task, cfg, reuse=True)
+    hot_steps, hot_tests = _run(tiny, task, cfg.model_copy(update={"temperature": 5.0, "test_temperature": 1.0}),
+                                reuse=True)
+    assert _deterministic(hot_tests) == _deterministic(tests)   # same test protocol, same draws
+    assert [s["prob"] for s in hot_steps] != [s["prob"] for s in steps]   # the training stream explored hotter
+    _, greedy_tests = _run(tiny, task, cfg.model_copy(update={"test_temperature": 0.0}), reuse=True)
+    _, greedy_again = _run(tiny, task, cfg.model_copy(update={"temperature": 3.0, "test_temperature": 0.0}),
+                           reuse=True)
+    assert _deterministic(greedy_tests) == _deterministic(greedy_again)
+
+
 def test_decoding_streams_do_not_depend_on_batching(tiny):
     task = keyword_map(seed=0)
     make = lambda batch_tokens: Predictor(tiny, tiny.tokens, task.template, task.labels, PrefixCache(tiny), 1.0,

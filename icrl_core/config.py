@@ -462,6 +462,13 @@ class EvaluateConfig(Section):
                                    "model.")] = Path("artifacts/ppo/adapter")
     strategies: Annotated[list[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"]],
                           Field(min_length=1, description="Strategies run for both models.")] = ["explorative"]
+    temperatures: Annotated[
+        dict[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
+             Annotated[float, Field(ge=0)]],
+        Field(description="Training-stream temperature of some strategies (e.g. {explorative: 2.0}: explore "
+              "hotter); the others use icrl_eval.temperature. Test predictions keep one temperature for every "
+              "run: icrl_eval.test_temperature, else icrl_eval.temperature."),
+    ] = {}
     forgetting_questions: Annotated[int, Field(ge=0, le=500, description="General-ability questions asked to "
                                                "both models (0 = skip the forgetting check).")] = 40
     metric: Annotated[str, Field(description="Key of metrics/evaluate.json that decides promotion (higher is "

@@ -21,11 +21,18 @@ STAGE = "evaluate"
 
 def _eval_config(config: PipelineConfig, strategy: str, which: str, adapter: Path | None) -> PipelineConfig:
     runs = Path(config.evaluate.output_dir) / "runs"
-    return with_overrides(config, {
+    overrides = {
         "icrl_eval.strategy": strategy, "icrl_eval.run_name": f"{which}-{strategy}",
         "icrl_eval.output_dir": str(runs), "model.init_adapter": str(adapter) if adapter else None,
         "tracking.enabled": False,  # the stage's own MLflow run gets the metrics and the run folders
-    })
+    }
+    if strategy in config.evaluate.temperatures:
+        # a strategy may explore hotter; its tests stay at the temperature every other run is tested at
+        test_temperature = config.icrl_eval.test_temperature
+        overrides["icrl_eval.temperature"] = config.evaluate.temperatures[strategy]
+        overrides["icrl_eval.test_temperature"] = (config.icrl_eval.temperature if test_temperature is None
+                                                   else test_temperature)
+    return with_overrides(config, overrides)
 
 
 def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:

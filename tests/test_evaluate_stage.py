@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from icrl_core.config import EvaluateConfig, load_config
-from tasks.evaluate import gates, run_evaluations
+from tasks.evaluate import _eval_config, gates, run_evaluations
 
 
 def _configs(folder: Path) -> list:
@@ -30,6 +30,19 @@ def test_runs_in_a_process_pool_equal_runs_in_turn(tmp_path):
     for a, b in zip(in_turn, pooled):
         assert a["test_accuracy"] == b["test_accuracy"] and a["regret"] == b["regret"]
         assert _steps(a["run_dir"]) == _steps(b["run_dir"])
+
+
+def test_a_strategy_may_explore_hotter_while_every_run_is_tested_alike():
+    config = load_config(None, ["icrl_eval.temperature=1.0", "evaluate.temperatures={explorative: 2.0}"],
+                         environ={})
+    hot = _eval_config(config, "explorative", "trained", Path("adapter"))
+    naive = _eval_config(config, "naive", "base", None)
+    assert (hot.icrl_eval.temperature, hot.icrl_eval.test_temperature) == (2.0, 1.0)
+    assert (naive.icrl_eval.temperature, naive.icrl_eval.test_temperature) == (1.0, None)  # tested at 1.0 too
+    assert hot.model.init_adapter == Path("adapter") and naive.model.init_adapter is None
+    fixed = load_config(None, ["icrl_eval.test_temperature=0", "evaluate.temperatures={explorative: 2.0}"],
+                        environ={})
+    assert _eval_config(fixed, "explorative", "base", None).icrl_eval.test_temperature == 0.0
 
 
 def test_promotion_gates():

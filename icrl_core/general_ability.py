@@ -10,10 +10,16 @@ one question is 0.5 points.
 
 A second, finer signal: mean token negative log-likelihood of the reference answers given the question
 (teacher-forced), which moves before greedy accuracy does.
+
+Base and trained model answer the same questions, so their difference is a paired one: `paired_change` reports
+how many answers flipped each way, the change's standard error and 95% interval over questions, and McNemar's
+exact test. With ~200 questions one standard error is ~3 points, so a change of 2 points is not resolvable;
+the flips show churn that a small net change can hide.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -262,3 +268,37 @@ def measure(policy, questions=QUESTIONS, max_new_tokens: int = 24, progress=None
         answers.append({"question": question, "reply": reply, "correct": correct, "answer_nll": nll})
     accuracy = sum(a["correct"] for a in answers) / len(answers)
     return AbilityReport(accuracy, sum(nlls) / len(nlls), len(answers), answers)
+
+
+@dataclass
+class PairedChange:
+    change: float  # trained accuracy - base accuracy
+    standard_error: float
+    ci95_low: float
+    ci95_high: float
+    became_correct: int  # wrong for the base model, right for the trained one
+    became_wrong: int  # right for the base model, wrong for the trained one
+    mcnemar_p: float  # exact two-sided McNemar test on the flips
+    n_questions: int
+
+
+def paired_change(base_correct: list[bool], trained_correct: list[bool]) -> PairedChange:
+    """Paired difference of two models' correctness on the same n questions.
+
+    d_i = trained_i - base_i in {-1, 0, 1};  change = mean(d);  SE = std(d, ddof=1) / sqrt(n);
+    95% interval = change +- 1.96 SE (normal approximation over questions);
+    McNemar exact: with b = became_correct, c = became_wrong, p = min(1, 2 * P[Binom(b + c, 1/2) <= min(b, c)]).
+    """
+    if len(base_correct) != len(trained_correct) or not base_correct:
+        raise ValueError("paired_change needs two equally long, non-empty answer lists")
+    n = len(base_correct)
+    diffs = [int(t) - int(b) for b, t in zip(base_correct, trained_correct)]
+    change = sum(diffs) / n
+    variance = sum((d - change) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    se = math.sqrt(variance / n)
+    became_correct = sum(d == 1 for d in diffs)
+    became_wrong = sum(d == -1 for d in diffs)
+    flips = became_correct + became_wrong
+    tail = sum(math.comb(flips, i) for i in range(min(became_correct, became_wrong) + 1)) / 2 ** flips
+    return PairedChange(change, se, change - 1.96 * se, change + 1.96 * se, became_correct, became_wrong,
+                        min(1.0, 2 * tail), n)

@@ -44,6 +44,16 @@ def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
     return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
 
 
+def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[dict]) -> dict:
+    """The forgetting check as a paired comparison (same questions): flips each way, 95% interval, McNemar p."""
+    from icrl_core.general_ability import paired_change
+
+    paired = paired_change([a["correct"] for a in base_answers], [a["correct"] for a in trained_answers])
+    return {"forgetting_became_correct": paired.became_correct, "forgetting_became_wrong": paired.became_wrong,
+            "forgetting_change_ci95_low": paired.ci95_low, "forgetting_change_ci95_high": paired.ci95_high,
+            "forgetting_mcnemar_p": paired.mcnemar_p}
+
+
 def _evaluate_in_worker(config_json: dict, position: int) -> dict:
     """One evaluation run in a pool process (the config travels as JSON and is validated again)."""
     from icrl_core.config import PipelineConfig as Config
@@ -205,6 +215,7 @@ def run(config: PipelineConfig) -> dict:
             metrics.update(forgetting_base_accuracy=base["accuracy"], forgetting_trained_accuracy=trained["accuracy"],
                            forgetting_drop=base["accuracy"] - trained["accuracy"],
                            forgetting_base_nll=base["answer_nll"], forgetting_trained_nll=trained["answer_nll"])
+            metrics.update(forgetting_paired_metrics(base["answers"], trained["answers"]))
             report["forgetting"] = {"base": base["answers"], "trained": trained["answers"]}
         metrics.update(gates(metrics, cfg))
         metrics["seconds"] = round(time.perf_counter() - started, 1)

@@ -132,6 +132,12 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     # ... every stage wrote its metrics, and the final policy was registered and promoted
     for stage in STAGES:
         assert (project / "metrics" / f"{stage}.json").exists(), stage
+    evaluated = json.loads((project / "metrics" / "evaluate.json").read_text())
+    # the forgetting check is a paired comparison on the same 5 questions
+    flips = evaluated["forgetting_became_correct"] - evaluated["forgetting_became_wrong"]
+    assert flips / 5 == pytest.approx(-evaluated["forgetting_drop"])
+    assert evaluated["forgetting_change_ci95_low"] <= -evaluated["forgetting_drop"] <= evaluated[
+        "forgetting_change_ci95_high"]
     promoted = json.loads((project / "metrics" / "promote.json").read_text())
     assert promoted["alias"] == "champion", promoted
     import mlflow

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -163,7 +164,8 @@ def plot_learning_curves(run_dirs: Sequence[Path], output: Path, title: str | No
     ax_regret.set_xlabel("Step")
     ax_regret.grid(alpha=0.3)
     if title:
-        ax_test.set_title(title)
+        # long titles wrap instead of running off the figure's edge
+        ax_test.set_title(textwrap.fill(title, 70))
     fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -166,7 +166,14 @@ def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_
     params = tmp_path / "params.yaml"
     params.write_text("seed: 0\n")
     apply_overrides(overrides, str(params))
-    assert load_config(params, [], environ={}).data.exemplar_style == "feedback"
+    experiment = load_config(params, [], environ={})
+    assert experiment.data.exemplar_style == "feedback"
+    # one backward pass holds at most ~2 episodes of activations (4 pairs of 1536-token episodes were OOM-killed
+    # on the 24 GB machine): bootstrap episodes, reward-model pairs (2 episodes each), PPO minibatches
+    budget = 2 * experiment.data.episode_tokens
+    assert experiment.bootstrap.batch_size * experiment.data.episode_tokens <= budget
+    assert experiment.reward_model.batch_size * 2 * experiment.data.episode_tokens <= budget
+    assert experiment.ppo.minibatch_size * experiment.data.episode_tokens <= budget
     assert config.icrl_eval.task != "trec_coarse"
     for text in ("[1, 2]", "a: [", "1: 2"):
         bad = tmp_path / "bad.yaml"

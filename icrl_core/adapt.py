@@ -4,11 +4,13 @@
 2. Synthetic rollouts, leave-one-out over the request's exemplars: for each exemplar j whose answer is known to
    be right (a gold pair, or a past attempt with positive reward), an episode whose context is the other
    exemplars and whose query is exemplar j's prompt, with exemplar j's answer as the preferred answer.
-   `num_rollouts` answers are sampled for each (temperature `adapt.temperature`, no exploration mixture).
+   `num_rollouts` answers are sampled for each (temperature `adapt.temperature`, no exploration mixture),
+   `adapt.rollout_batch` episodes at a time.
 3. Score them (`adapt.reward`: exact match against the held-out answer, the reward model, or both) and keep the
    best rollout of each held-out exemplar (rejection sampling / expert iteration). With the exact task reward a
    best rollout that is still wrong (score 0) is dropped: training on it would teach the error.
-4. `adapt.steps` AdamW steps on the kept rollouts: loss = -mean_t log pi(a_t | s_t) over their answer tokens.
+4. `adapt.steps` AdamW steps on the kept rollouts: loss = -mean_t log pi(a_t | s_t) over their answer tokens
+   (gradient accumulated over `adapt.minibatch_size` rollouts per backward pass).
 5. Answer the request's queries again greedily: reward *after*.
 
 The base adapter is left untouched: the trainable weights are snapshotted before step 4 and restored after
@@ -90,14 +92,39 @@ def answer_nll(policy, rollouts) -> torch.Tensor:
     return -masked_mean(logp, batch.action_mask)
 
 
+def accumulate_answer_nll(policy, rollouts, minibatch_size: int) -> float:
+    """Backward of answer_nll over all `rollouts`, `minibatch_size` rollouts per pass: each minibatch's mean is
+    weighted by its share of the answer tokens, so the summed gradient equals one pass over the whole batch.
+    Returns the loss value."""
+    counts = [len(r.action_positions) for r in rollouts]
+    total_tokens = sum(counts)
+    value = 0.0
+    for start in range(0, len(rollouts), minibatch_size):
+        share = sum(counts[start:start + minibatch_size]) / total_tokens
+        loss = answer_nll(policy, rollouts[start:start + minibatch_size]) * share
+        loss.backward()
+        value += loss.item()
+    return value
+
+
+def sample_rollouts(policy, episodes: list[Episode], cfg: AdaptConfig, max_tokens: int,
+                    generator: torch.Generator) -> list:
+    """Synthetic rollouts, `cfg.rollout_batch` episodes per generation pass (their KV caches live together)."""
+    sampling = Sampling(temperature=cfg.temperature)
+    rollouts = []
+    for start in range(0, len(episodes), cfg.rollout_batch):
+        rollouts += generate_rollouts(policy, episodes[start:start + cfg.rollout_batch], sampling,
+                                      cfg.max_new_tokens, max_tokens, generator)
+    return rollouts
+
+
 def adapt_and_answer(policy, episode: Episode, cfg: AdaptConfig, max_tokens: int, generator: torch.Generator,
                      scorer=None) -> AdaptResult:
     """Steps 1-5 of the module docstring for one request; the policy's weights are restored afterwards."""
     answers_before, reward_before, score_before = answer(policy, episode, cfg, max_tokens, scorer)
     synthetic = leave_one_out(episode)
     repeated = [ep for ep in synthetic for _ in range(cfg.num_rollouts)]
-    rollouts = generate_rollouts(policy, repeated, Sampling(temperature=cfg.temperature), cfg.max_new_tokens,
-                                 max_tokens, generator) if repeated else []
+    rollouts = sample_rollouts(policy, repeated, cfg, max_tokens, generator)
     score_rollouts(rollouts, cfg.reward, scorer)
     kept = best_rollouts(rollouts, len(synthetic), cfg.num_rollouts, task_only=cfg.reward.kind == "task")
     snapshot = {k: v.clone() for k, v in trainable_tensors(policy).items()}
@@ -108,12 +135,10 @@ def adapt_and_answer(policy, episode: Episode, cfg: AdaptConfig, max_tokens: int
             optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
             policy.train()
             for _ in range(cfg.steps):
-                loss = answer_nll(policy, kept)
-                loss.backward()
+                losses.append(accumulate_answer_nll(policy, kept, cfg.minibatch_size))
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
             policy.eval()
         answers_after, reward_after, score_after = answer(policy, episode, cfg, max_tokens, scorer)
     finally:

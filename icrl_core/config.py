@@ -353,6 +353,12 @@ class AdaptConfig(Section):
                                                 "data.output_dir/val.jsonl.")] = None
     num_rollouts: Annotated[int, Field(ge=1, description="Synthetic rollouts sampled per held-out exemplar.")] = 4
     steps: Annotated[int, Field(ge=0, description="LoRA steps on the best rollouts.")] = 4
+    rollout_batch: Annotated[int, Field(ge=1, le=256, description="Synthetic episodes generated at once (their "
+                                        "KV caches are held together: memory grows with this times "
+                                        "data.episode_tokens).")] = 8
+    minibatch_size: Annotated[int, Field(ge=1, le=256, description="Kept rollouts per backward pass; a step "
+                                         "accumulates the gradient over all of them (same step as one "
+                                         "batch, bounded memory).")] = 4
     learning_rate: Annotated[float, Field(gt=0, description="Learning rate of the adaptation steps.")] = 1e-4
     temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the synthetic rollouts.")] = 1.0
     max_new_tokens: Annotated[int, Field(ge=1, le=512, description="Tokens generated per answer.")] = 8
@@ -471,6 +477,11 @@ class EvaluateConfig(Section):
     ] = {}
     forgetting_questions: Annotated[int, Field(ge=0, le=500, description="General-ability questions asked to "
                                                "both models (0 = skip the forgetting check).")] = 40
+    forgetting_probe_items: Annotated[int, Field(ge=0, le=5000, description="Multiple-choice items scored by "
+                                                 "likelihood (icrl_core/choice_probe.py, ~1500 generated) both "
+                                                 "models answer: the forgetting measure fine enough to resolve "
+                                                 "2 points (0 = skip). Promotion then also requires its change, "
+                                                 "either way, to stay within max_forgetting.")] = 0
     metric: Annotated[str, Field(description="Key of metrics/evaluate.json that decides promotion (higher is "
                                  "better).")] = "trained_final_test_accuracy"
     max_forgetting: Annotated[float, Field(ge=0, le=1, description="Promotion also requires the general-ability "

@@ -3,7 +3,8 @@
 For each strategy in `evaluate.strategies`, the in-context RL harness (tasks/icrl_eval.py, `icrl_eval.*`
 settings) runs twice on the same seeds: the base model, and the base model with the trained adapter
 (`evaluate.adapter`); `evaluate.workers` runs go at once, each in its own process. Then the forgetting check
-(icrl_core/general_ability.py) asks both models the first `evaluate.forgetting_questions` general questions.
+(icrl_core/general_ability.py) asks both models the first `evaluate.forgetting_questions` general questions, and
+the multiple-choice probe (icrl_core/choice_probe.py) scores `evaluate.forgetting_probe_items` items.
 Outputs: evaluate.output_dir/{runs/, learning_curve.png, report.json}, metrics/evaluate.json, an MLflow run.
 `promote` reads `evaluate.metric` and `eligible` (the forgetting check and the held-out gain both passed).
 """
@@ -35,13 +36,42 @@ def _eval_config(config: PipelineConfig, strategy: str, which: str, adapter: Pat
     return with_overrides(config, overrides)
 
 
-def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
-    from icrl_core.general_ability import QUESTIONS, measure
+def _policy(config: PipelineConfig, adapter: Path | None):
     from tasks.icrl_eval import load_eval_policy
 
-    policy = load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
-    report = measure(policy, QUESTIONS[:n])
+    return load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
+
+
+def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
+    from icrl_core.general_ability import QUESTIONS, measure
+
+    report = measure(_policy(config, adapter), QUESTIONS[:n])
     return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
+
+
+def forgetting_probe(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
+    """The multiple-choice probe (first `n` generated items, seed 0) for one model."""
+    from tqdm.auto import tqdm
+
+    from icrl_core.choice_probe import generate_items, measure_choices
+
+    policy = _policy(config, adapter)
+    desc = f"forgetting probe ({'trained' if adapter else 'base'})"
+    report = measure_choices(policy, policy.tokens, generate_items(seed=0)[:n],
+                             progress=lambda items: tqdm(items, desc=desc, unit="item", leave=False))
+    return {"accuracy": report.accuracy, "by_family": report.by_family, "correct": report.correct}
+
+
+def forgetting_probe_metrics(base: dict, trained: dict) -> dict:
+    from icrl_core.general_ability import paired_change
+
+    paired = paired_change(base["correct"], trained["correct"])
+    return {"forgetting_probe_base_accuracy": base["accuracy"],
+            "forgetting_probe_trained_accuracy": trained["accuracy"],
+            "forgetting_probe_change": paired.change, "forgetting_probe_items": paired.n_questions,
+            "forgetting_probe_ci95_low": paired.ci95_low, "forgetting_probe_ci95_high": paired.ci95_high,
+            "forgetting_probe_became_correct": paired.became_correct,
+            "forgetting_probe_became_wrong": paired.became_wrong, "forgetting_probe_mcnemar_p": paired.mcnemar_p}
 
 
 def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[dict]) -> dict:
@@ -153,6 +183,8 @@ def gates(metrics: dict, cfg) -> dict:
     over the trained model's own zero-shot accuracy (when asked and measured), and the forgetting check."""
     out = {"passes_gain": metrics["gain"] > cfg.min_gain,
            "passes_forgetting": metrics.get("forgetting_drop", 0.0) <= cfg.max_forgetting}
+    if "forgetting_probe_change" in metrics:  # the probe resolves 2 points: a move either way counts
+        out["passes_forgetting_probe"] = abs(metrics["forgetting_probe_change"]) <= cfg.max_forgetting + 1e-9
     if cfg.min_gain_over_zero_shot is not None and "trained_zero_shot_final_test_accuracy" in metrics:
         out["passes_gain_over_zero_shot"] = metrics["gain_over_zero_shot"] >= cfg.min_gain_over_zero_shot - 1e-9
     out["eligible"] = all(out.values())
@@ -217,6 +249,11 @@ def run(config: PipelineConfig) -> dict:
                            forgetting_base_nll=base["answer_nll"], forgetting_trained_nll=trained["answer_nll"])
             metrics.update(forgetting_paired_metrics(base["answers"], trained["answers"]))
             report["forgetting"] = {"base": base["answers"], "trained": trained["answers"]}
+        if cfg.forgetting_probe_items:
+            base = forgetting_probe(config, None, cfg.forgetting_probe_items)
+            trained = forgetting_probe(config, adapter, cfg.forgetting_probe_items)
+            metrics.update(forgetting_probe_metrics(base, trained))
+            report["forgetting_probe"] = {"base": base, "trained": trained}
         metrics.update(gates(metrics, cfg))
         metrics["seconds"] = round(time.perf_counter() - started, 1)
         atomic_write_json(out / "report.json", report)

@@ -114,3 +114,35 @@ def test_adapt_stage_and_cli_leave_the_adapter_on_disk_untouched(in_tmp, scorer,
     with pytest.raises(SystemExit) as done:
         main(["adapt", "--episode-id", "nope", *args[4:]])
     assert done.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def test_minibatched_steps_give_the_one_batch_gradient_and_rollouts_come_in_chunks():
+    """The adapt stage bounds memory (rollout_batch, minibatch_size) without changing what a step computes."""
+    from icrl_core.adapt import accumulate_answer_nll, answer_nll, sample_rollouts
+    from icrl_core.rollout import score_rollouts
+    from icrl_core.model import load_policy
+    from tests.ppo_helpers import keyword_episodes
+
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
+    episodes = keyword_episodes(5, k=3, n=1, seed=7)
+    cfg = AdaptConfig(rollout_batch=2, max_new_tokens=3, temperature=1.0)
+    rollouts = sample_rollouts(policy, episodes, cfg, 2048, torch.Generator().manual_seed(0))
+    assert len(rollouts) == 5  # three generation passes: 2 + 2 + 1 episodes
+    assert [r.episode.episode_id for r in rollouts] == [e.episode_id for e in episodes]
+    score_rollouts(rollouts, cfg.reward)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+
+    def gradient(fn):
+        for p in params:
+            p.grad = None
+        value = fn()
+        return value, [p.grad.clone() for p in params]
+
+    policy.train()
+    whole, whole_grad = gradient(lambda: (lambda loss: (loss.backward(), loss.item())[1])(
+        answer_nll(policy, rollouts)))
+    accumulated, accumulated_grad = gradient(lambda: accumulate_answer_nll(policy, rollouts, minibatch_size=2))
+    policy.eval()
+    assert accumulated == pytest.approx(whole, rel=1e-5)
+    for a, b in zip(whole_grad, accumulated_grad):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

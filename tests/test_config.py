@@ -169,11 +169,13 @@ def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_
     experiment = load_config(params, [], environ={})
     assert experiment.data.exemplar_style == "feedback"
     # one backward pass holds at most ~2 episodes of activations (4 pairs of 1536-token episodes were OOM-killed
-    # on the 24 GB machine): bootstrap episodes, reward-model pairs (2 episodes each), PPO minibatches
+    # on the 24 GB machine): bootstrap episodes, reward-model pairs (2 episodes each), PPO and adapt minibatches
     budget = 2 * experiment.data.episode_tokens
     assert experiment.bootstrap.batch_size * experiment.data.episode_tokens <= budget
     assert experiment.reward_model.batch_size * 2 * experiment.data.episode_tokens <= budget
     assert experiment.ppo.minibatch_size * experiment.data.episode_tokens <= budget
+    assert experiment.adapt.minibatch_size * experiment.data.episode_tokens <= budget
+    assert experiment.adapt.rollout_batch * experiment.data.episode_tokens <= 4 * budget  # KV caches, no grads
     assert config.icrl_eval.task != "trec_coarse"
     for text in ("[1, 2]", "a: [", "1: 2"):
         bad = tmp_path / "bad.yaml"

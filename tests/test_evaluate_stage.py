@@ -57,6 +57,12 @@ def test_promotion_gates():
     # without a zero-shot run (or without the requirement) only the gain and forgetting count
     no_zero_shot = {"gain": 0.1, "forgetting_drop": 0.0}
     assert gates(no_zero_shot, cfg) == {"passes_gain": True, "passes_forgetting": True, "eligible": True}
+    # the multiple-choice probe, when measured, must stay within max_forgetting either way
+    probed = gates({**no_zero_shot, "forgetting_probe_change": -0.015}, cfg)
+    assert probed["passes_forgetting_probe"] and probed["eligible"]
+    assert gates({**no_zero_shot, "forgetting_probe_change": 0.02}, cfg)["eligible"]
+    assert not gates({**no_zero_shot, "forgetting_probe_change": -0.03}, cfg)["eligible"]
+    assert not gates({**no_zero_shot, "forgetting_probe_change": 0.025}, cfg)["eligible"]  # a move, not a drop
 
 
 def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_tmp):

@@ -44,6 +44,8 @@ TINY_PIPELINE = {
     "adapt.num_requests": 1, "adapt.steps": 1,
     "icrl_eval.train_k": 6, "icrl_eval.test_every": 3, "icrl_eval.test_k": 4,
     "evaluate.forgetting_questions": 5,
+    "evaluate.forgetting_probe_items": 6,
+    "evaluate.max_forgetting": 1.0,  # a random tiny model's answers are noise; the gates have their own unit test
     "evaluate.min_gain": -1.0,  # random tiny models gain nothing; the test is about the orchestration
 }
 
@@ -138,6 +140,11 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     assert flips / 5 == pytest.approx(-evaluated["forgetting_drop"])
     assert evaluated["forgetting_change_ci95_low"] <= -evaluated["forgetting_drop"] <= evaluated[
         "forgetting_change_ci95_high"]
+    # ... and so is the multiple-choice probe, on 6 items
+    assert evaluated["forgetting_probe_items"] == 6 and evaluated["passes_forgetting_probe"]
+    probe_flips = evaluated["forgetting_probe_became_correct"] - evaluated["forgetting_probe_became_wrong"]
+    assert probe_flips / 6 == pytest.approx(evaluated["forgetting_probe_trained_accuracy"]
+                                            - evaluated["forgetting_probe_base_accuracy"])
     promoted = json.loads((project / "metrics" / "promote.json").read_text())
     assert promoted["alias"] == "champion", promoted
     import mlflow

@@ -185,8 +185,10 @@ def generate_items(seed: int = 0, per_family: int = 200) -> list[ChoiceItem]:
 
 
 @torch.no_grad()
-def choice_scores(policy, tokens: Tokens, items: list[ChoiceItem], progress=None) -> list[list[float]]:
-    """score[i][j] = sum of log p over choice j's tokens and the end-of-turn token, as the reply to item i.
+def choice_scores(policy, tokens: Tokens, items: list[ChoiceItem], progress=None,
+                  end_of_turn: bool = True) -> list[list[float]]:
+    """score[i][j] = sum of log p over choice j's tokens and the end-of-turn token, as the reply to item i
+    (`end_of_turn=False`: the choice's tokens only, i.e. how likely the reply *starts* with it).
 
     Every prompt starts with the same chat-template header, so a PrefixCache computes it once; each item then
     computes its question tokens, and all its choices in one tree-attention pass (kernels.TreeScorer): the last
@@ -201,7 +203,8 @@ def choice_scores(policy, tokens: Tokens, items: list[ChoiceItem], progress=None
         prompt = list(tok.apply_chat_template([{"role": "user", "content": item.question}],
                                               add_generation_prompt=True, tokenize=True, return_dict=False))
         entry, _ = prefixes.prepare(prompt[:-1])
-        answers = [list(tokens.encode(choice)) + [tokens.end_of_turn_id] for choice in item.choices]
+        answers = [list(tokens.encode(choice)) + ([tokens.end_of_turn_id] if end_of_turn else [])
+                   for choice in item.choices]
         with TreeScorer(policy, entry.cache, len(prompt) - 1) as tree:
             nodes = [(prompt[-1], -1)]
             chains = []
@@ -227,9 +230,10 @@ class ProbeReport:
     correct: list[bool]
 
 
-def measure_choices(policy, tokens: Tokens, items: list[ChoiceItem], progress=None) -> ProbeReport:
+def measure_choices(policy, tokens: Tokens, items: list[ChoiceItem], progress=None,
+                    end_of_turn: bool = True) -> ProbeReport:
     """Accuracy (correct answer scored strictly highest) overall and per family."""
-    scores = choice_scores(policy, tokens, items, progress=progress)
+    scores = choice_scores(policy, tokens, items, progress=progress, end_of_turn=end_of_turn)
     correct = [s[0] > max(s[1:]) for s in scores]
     families: dict[str, list[bool]] = {}
     for item, ok in zip(items, correct):

@@ -47,14 +47,14 @@ def test_generated_answers_are_right():
 
 
 @torch.no_grad()
-def _one_by_one(policy, tokens, item: ChoiceItem) -> list[float]:
+def _one_by_one(policy, tokens, item: ChoiceItem, end_of_turn: bool = True) -> list[float]:
     """Reference: each choice scored in its own unpadded forward pass over the full vocabulary."""
     prompt = list(policy.tokenizer.apply_chat_template([{"role": "user", "content": item.question}],
                                                        add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
     out = []
     for choice in item.choices:
-        answer = list(tokens.encode(choice)) + [tokens.end_of_turn_id]
+        answer = list(tokens.encode(choice)) + ([tokens.end_of_turn_id] if end_of_turn else [])
         ids = torch.tensor([prompt + answer])
         logits = policy.causal_lm(input_ids=ids).logits[0].float()
         logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
@@ -67,6 +67,11 @@ def test_tree_scores_over_a_shared_prefix_equal_one_by_one_scores(tiny, tokens):
     batched = choice_scores(tiny, tokens, items)
     for item, scores in zip(items, batched):
         assert scores == pytest.approx(_one_by_one(tiny, tokens, item), abs=1e-4)
+    # without the end-of-turn token: how likely the reply starts with each choice (never lower)
+    starts = choice_scores(tiny, tokens, items, end_of_turn=False)
+    for item, scores, whole in zip(items, starts, batched):
+        assert scores == pytest.approx(_one_by_one(tiny, tokens, item, end_of_turn=False), abs=1e-4)
+        assert all(s >= w for s, w in zip(scores, whole))
 
 
 def test_measure_counts_strict_wins_per_family(tiny, tokens):

@@ -212,7 +212,7 @@ def choice_scores(policy, tokens: Tokens, items: list[ChoiceItem], progress=None
                 chains.append(list(range(len(nodes), len(nodes) + len(answer))))
                 nodes += chain_nodes(answer, len(nodes), parent=0)
             tree.extend(nodes)
-            logprobs = torch.log_softmax(head(tree._hidden_rows(range(len(nodes)))).float(), dim=-1)  # (M, V)
+            logprobs = torch.log_softmax(head(tree.hidden_rows(range(len(nodes)))).float(), dim=-1)  # (M, V)
         item_scores = []
         for answer, chain in zip(answers, chains):
             # token t of the answer is predicted at its parent: the root for t = 0, else chain node t - 1

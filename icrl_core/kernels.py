@@ -282,7 +282,8 @@ class TreeScorer:
         self.computed += n
         return list(range(start, total))
 
-    def _hidden_rows(self, nodes: Sequence[int]) -> torch.Tensor:
+    def hidden_rows(self, nodes: Sequence[int]) -> torch.Tensor:
+        """Final hidden states (n, H) of the given appended nodes (for a full-vocabulary head where needed)."""
         flat = torch.cat(self.hidden, dim=0) if len(self.hidden) > 1 else self.hidden[0]
         if len(self.hidden) > 1:
             self.hidden = [flat]
@@ -292,7 +293,7 @@ class TreeScorer:
     def candidate_logits(self, nodes: Sequence[int], candidates: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Next-token logits at each node, only for its candidate token ids: logits[k] = h_node . W[cand_k] (+ b).
         The LM head over the whole vocabulary (49k x H per position) is never computed."""
-        rows = self._hidden_rows(nodes)                         # (n, H)
+        rows = self.hidden_rows(nodes)                         # (n, H)
         head = self.policy.causal_lm.lm_head
         flat = [c for cands in candidates for c in cands]
         weight = head.weight[torch.as_tensor(flat, dtype=torch.long)]  # (sum k, H)

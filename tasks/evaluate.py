@@ -42,24 +42,34 @@ def _policy(config: PipelineConfig, adapter: Path | None):
     return load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
 
 
-def forgetting(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
+def forgetting(policy, n: int) -> dict:
+    """The greedy question check (first `n` questions) for one model."""
     from icrl_core.general_ability import QUESTIONS, measure
 
-    report = measure(_policy(config, adapter), QUESTIONS[:n])
+    report = measure(policy, QUESTIONS[:n])
     return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
 
 
-def forgetting_probe(config: PipelineConfig, adapter: Path | None, n: int) -> dict:
+def forgetting_probe(policy, n: int, name: str) -> dict:
     """The multiple-choice probe (first `n` generated items, seed 0) for one model."""
     from tqdm.auto import tqdm
 
     from icrl_core.choice_probe import generate_items, measure_choices
 
-    policy = _policy(config, adapter)
-    desc = f"forgetting probe ({'trained' if adapter else 'base'})"
     report = measure_choices(policy, policy.tokens, generate_items(seed=0)[:n],
-                             progress=lambda items: tqdm(items, desc=desc, unit="item", leave=False))
+                             progress=lambda items: tqdm(items, desc=f"forgetting probe ({name})", unit="item",
+                                                         leave=False))
     return {"accuracy": report.accuracy, "by_family": report.by_family, "correct": report.correct}
+
+
+def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
+    """Both forgetting measures that are switched on, for one model loaded once."""
+    cfg = config.evaluate
+    policy = _policy(config, adapter)
+    name = "trained" if adapter else "base"
+    return {"greedy": forgetting(policy, cfg.forgetting_questions) if cfg.forgetting_questions else None,
+            "probe": forgetting_probe(policy, cfg.forgetting_probe_items, name) if cfg.forgetting_probe_items
+            else None}
 
 
 def forgetting_probe_metrics(base: dict, trained: dict) -> dict:
@@ -241,17 +251,17 @@ def run(config: PipelineConfig) -> dict:
             metrics["gain_over_zero_shot"] = (metrics["trained_final_test_accuracy"]
                                               - metrics["trained_zero_shot_final_test_accuracy"])
         report: dict = {"metrics": metrics}
+        if cfg.forgetting_questions or cfg.forgetting_probe_items:
+            base_ability, trained_ability = general_ability(config, None), general_ability(config, adapter)
         if cfg.forgetting_questions:
-            base = forgetting(config, None, cfg.forgetting_questions)
-            trained = forgetting(config, adapter, cfg.forgetting_questions)
+            base, trained = base_ability["greedy"], trained_ability["greedy"]
             metrics.update(forgetting_base_accuracy=base["accuracy"], forgetting_trained_accuracy=trained["accuracy"],
                            forgetting_drop=base["accuracy"] - trained["accuracy"],
                            forgetting_base_nll=base["answer_nll"], forgetting_trained_nll=trained["answer_nll"])
             metrics.update(forgetting_paired_metrics(base["answers"], trained["answers"]))
             report["forgetting"] = {"base": base["answers"], "trained": trained["answers"]}
         if cfg.forgetting_probe_items:
-            base = forgetting_probe(config, None, cfg.forgetting_probe_items)
-            trained = forgetting_probe(config, adapter, cfg.forgetting_probe_items)
+            base, trained = base_ability["probe"], trained_ability["probe"]
             metrics.update(forgetting_probe_metrics(base, trained))
             report["forgetting_probe"] = {"base": base, "trained": trained}
         metrics.update(gates(metrics, cfg))

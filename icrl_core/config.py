@@ -466,6 +466,11 @@ class EvaluateConfig(Section):
 
     adapter: Annotated[Path, Field(description="Trained adapter folder evaluated against the base "
                                    "model.")] = Path("artifacts/ppo/adapter")
+    adapter_scale: Annotated[float, Field(gt=0, le=1, description="Weight interpolation toward the base model "
+                                          "(WiSE-FT): the evaluated and registered weights are base + scale * "
+                                          "(trained - base), written to output_dir/adapter. 1 = the trained "
+                                          "adapter as is; smaller keeps less of what training changed, in "
+                                          "general abilities as well as in the skill.")] = 1.0
     strategies: Annotated[list[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"]],
                           Field(min_length=1, description="Strategies run for both models.")] = ["explorative"]
     temperatures: Annotated[

@@ -294,6 +294,26 @@ class Policy:
                                           f"{tuple(params[name].shape)}")
                 params[name].copy_(value.to(params[name].dtype))
 
+    @torch.no_grad()
+    def interpolate_to_reference(self, scale: float) -> None:
+        """Move the trained weights toward the reference: theta <- theta_ref + scale * (theta - theta_ref).
+
+        Weight-space interpolation between the base and the fine-tuned model (WiSE-FT, Wortsman et al., 2022)
+        trades some of what training changed for less change elsewhere. For LoRA it is exact and cheap:
+        delta = (alpha / r) * B @ A, so scaling every B by `scale` scales the delta. For trained last blocks the
+        frozen copies are theta_ref. scale = 1 keeps the policy, 0 gives the reference."""
+        if not 0.0 <= scale <= 1.0:
+            raise UserError(f"interpolation scale must be in [0, 1], got {scale}")
+        if isinstance(self.adapter, LoraAdapter):
+            for name, param in self.model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(scale)
+        elif isinstance(self.adapter, LastBlocksAdapter):
+            layers = self.causal_lm.model.layers
+            for index, reference in self._frozen_blocks.items():
+                for param, ref in zip(layers[index].parameters(), reference.parameters()):
+                    param.copy_(ref + scale * (param - ref))
+
     def save_adapter(self, folder: Path | str) -> None:
         """Trainable weights (+ value head) as safetensors, atomically, with a JSON description."""
         with atomic_dir(folder) as tmp:

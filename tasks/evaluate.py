@@ -72,6 +72,16 @@ def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
             else None}
 
 
+def interpolated_adapter(config: PipelineConfig, source: Path, scale: float, target: Path) -> Path:
+    """Write base + scale * (trained - base) as an adapter folder (see Policy.interpolate_to_reference)."""
+    from icrl_core.model import policy_from_config
+
+    policy = policy_from_config(config.model, init_adapter=source)
+    policy.interpolate_to_reference(scale)
+    policy.save_adapter(target)
+    return target
+
+
 def forgetting_probe_metrics(base: dict, trained: dict) -> dict:
     from icrl_core.general_ability import paired_change
 
@@ -215,8 +225,13 @@ def run(config: PipelineConfig) -> dict:
         raise UserError(f"evaluate.adapter {adapter}: no trained adapter (run the ppo stage first)")
     out = Path(cfg.output_dir)
     shutil.rmtree(out / "runs", ignore_errors=True)  # a stage rerun starts its evaluation runs afresh
+    shutil.rmtree(out / "adapter", ignore_errors=True)
     started = time.perf_counter()
-    metrics: dict = {"task": config.icrl_eval.task, "adapter": str(adapter)}
+    metrics: dict = {"task": config.icrl_eval.task, "trained_adapter": str(adapter),
+                     "adapter_scale": cfg.adapter_scale}
+    if cfg.adapter_scale != 1.0:
+        adapter = interpolated_adapter(config, adapter, cfg.adapter_scale, out / "adapter")
+    metrics["adapter"] = str(adapter)  # the weights evaluated here, and the ones the promote stage registers
     headline = cfg.strategies[0]
     jobs = [(strategy, which, adapter_dir) for strategy in cfg.strategies
             for which, adapter_dir in (("base", None), ("trained", adapter))]

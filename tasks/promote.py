@@ -1,4 +1,4 @@
-"""Stage `promote`: register the trained adapter (evaluate.adapter) in the MLflow model registry and give it the
+"""Stage `promote`: register the evaluated adapter (evaluate.adapter, or its interpolation) in the MLflow model registry and give it the
 alias `champion` only if it beats the current champion on `evaluate.metric` AND the evaluate stage found it
 eligible (forgetting check and held-out gain passed, see tasks/evaluate.py: gates); otherwise `challenger`.
 Reads metrics/evaluate.json; writes metrics/promote.json."""
@@ -25,5 +25,7 @@ def run(config: PipelineConfig, evaluation: Path = Path("metrics/evaluate.json")
     if metrics.get(name) is None:
         raise UserError(f"{evaluation} has no value for evaluate.metric '{name}'")
     eligible = bool(metrics.get("eligible", metrics.get("passes_forgetting", True)))
-    return run_promotion(config, Path(config.evaluate.adapter), float(metrics[name]), name, eligible=eligible,
+    # the evaluated weights: evaluate.adapter, or its interpolation toward the base (evaluate.adapter_scale)
+    adapter = Path(metrics.get("adapter") or config.evaluate.adapter)
+    return run_promotion(config, adapter, float(metrics[name]), name, eligible=eligible,
                          evaluation=metrics)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from icrl_core.config import LastBlocksAdapter, LoraAdapter, ModelConfig
-from icrl_core.errors import CheckpointError
+from icrl_core.errors import CheckpointError, UserError
 from icrl_core.model import (ValueHead, load_policy, materialize_gguf, packaged_gguf, policy_from_config,
                              saved_adapter)
 
@@ -77,6 +77,39 @@ def test_adapter_save_load_round_trip(tmp_path):
     from_config = policy_from_config(config, value_head=True)
     with torch.no_grad():
         assert torch.equal(a, from_config.forward(ids)[0])
+
+
+def _lora_deltas(policy) -> dict[str, torch.Tensor]:
+    return {name: module.get_delta_weight("default").clone() for name, module in policy.model.named_modules()
+            if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {})}
+
+
+@pytest.mark.parametrize("kind", ["lora", "last_blocks"])
+def test_interpolation_to_reference_is_base_plus_scaled_change(tiny, tmp_path, kind):
+    """WiSE-FT: theta(s) = theta_ref + s (theta - theta_ref); s = 0 is exactly the base model."""
+    adapter = LoraAdapter(rank=4, alpha=8) if kind == "lora" else LastBlocksAdapter(n_blocks=1)
+    policy = load_policy("tiny", seed=0, adapter=adapter)
+    _perturb_trainable(policy)
+    policy.save_adapter(tmp_path / "trained")
+    before = ({n: p.clone() for n, p in policy.trainable_state_dict().items()} if kind == "last_blocks"
+              else _lora_deltas(policy))
+    policy.interpolate_to_reference(0.25)
+    if kind == "lora":
+        after = _lora_deltas(policy)
+        assert after and all(torch.allclose(after[n], 0.25 * before[n], atol=1e-7) for n in before)
+    else:
+        reference = {f"model.layers.1.{n}": p for n, p in policy._frozen_blocks[1].named_parameters()}
+        after = policy.trainable_state_dict()
+        assert all(torch.allclose(after[n], reference[n] + 0.25 * (before[n] - reference[n]), atol=1e-6)
+                   for n in before)
+    ids = _ids(policy)
+    with torch.no_grad():
+        base_logits = tiny.forward(ids)[0]
+        zero = load_policy("tiny", seed=0, adapter=adapter, init_adapter=tmp_path / "trained")
+        zero.interpolate_to_reference(0.0)
+        assert torch.allclose(zero.forward(ids)[0], base_logits, atol=1e-5)
+    with pytest.raises(UserError, match=r"\[0, 1\]"):
+        policy.interpolate_to_reference(1.5)
 
 
 def test_value_head_save_load_round_trip(tmp_path):

@@ -47,6 +47,7 @@ TINY_PIPELINE = {
     "evaluate.forgetting_probe_items": 6,
     "evaluate.max_forgetting": 1.0,  # a random tiny model's answers are noise; the gates have their own unit test
     "evaluate.min_gain": -1.0,  # random tiny models gain nothing; the test is about the orchestration
+    "evaluate.adapter_scale": 0.5,  # the evaluated and registered weights are halfway to the base model
 }
 
 
@@ -152,6 +153,17 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     version = client.get_model_version_by_alias("icrl-policy", "champion")
     assert int(version.version) == int(promoted["version"])
+    # what was evaluated and registered is the trained adapter interpolated toward the base (adapter_scale 0.5)
+    import torch
+    from safetensors.torch import load_file
+
+    assert evaluated["adapter"] == "artifacts/evaluate/adapter" and evaluated["adapter_scale"] == 0.5
+    assert client.get_run(version.run_id).data.tags["icrl.eval.adapter"] == "artifacts/evaluate/adapter"
+    trained = load_file(project / "artifacts" / "ppo" / "adapter" / "adapter.safetensors")
+    interpolated = load_file(project / "artifacts" / "evaluate" / "adapter" / "adapter.safetensors")
+    assert set(interpolated) == set(trained) and any("lora_B" in name for name in trained)
+    for name, tensor in trained.items():
+        assert torch.allclose(interpolated[name], tensor * (0.5 if "lora_B" in name else 1.0)), name
     runs = client.search_runs([client.get_experiment_by_name("icrl").experiment_id])
     stage_runs = {r.data.tags.get("icrl.stage") for r in runs if "mlflow.parentRunId" in r.data.tags}
     assert {"bootstrap", "reward_model", "ppo"} <= stage_runs

@@ -137,6 +137,29 @@ def model_warm(
     console().print(f"{spec}: {n_params / 1e6:.1f}M parameters; load {first:.2f}s, again {second:.2f}s")
 
 
+@model_app.command("interpolate")
+def model_interpolate(
+    adapter: Annotated[Path, typer.Argument(help="Trained adapter folder (adapter.safetensors + adapter.json).",
+                                            show_default=False)],
+    scale: Annotated[float, typer.Option(help="Keep this fraction of the change training made: the weights "
+                                         "become base + scale * (trained - base) (WiSE-FT). 0 = the base model, "
+                                         "1 = the adapter unchanged.", min=0.0, max=1.0)],
+    output: Annotated[Path, typer.Option(help="Folder for the interpolated adapter (written atomically).",
+                                         show_default=False)],
+    spec: Annotated[str, typer.Option(help="Base model spec the adapter was trained on.")] = "smollm2-135m",
+) -> None:
+    """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
+    from icrl_core.config import ModelConfig
+    from icrl_core.model import policy_from_config
+
+    if not (adapter / "adapter.safetensors").exists():
+        raise UserError(f"{adapter}: no adapter.safetensors (not a trained adapter folder)")
+    policy = policy_from_config(ModelConfig(spec=spec, init_adapter=adapter))
+    policy.interpolate_to_reference(scale)
+    policy.save_adapter(output)
+    console().print(f"{output}: base + {scale:g} x ({adapter} - base)")
+
+
 @model_app.command("ask")
 def model_ask(
     question: Annotated[str, typer.Argument(help="A question for the model (one user turn).")],

@@ -149,10 +149,14 @@ class Conversation:
         self._emit(self.tokens.encode(text))
         return self
 
-    def assistant_answer(self, answer_prefix: str, answer: str, trained: bool = False) -> Conversation:
-        """A complete assistant turn; `trained` puts the answer tokens and the end-of-turn token in the mask."""
+    def assistant_answer(self, answer_prefix: str, answer: str, trained: bool = False,
+                         train_end_of_turn: bool = True) -> Conversation:
+        """A complete assistant turn; `trained` puts the answer tokens and (if `train_end_of_turn`) the
+        end-of-turn token in the mask."""
         self.assistant_prompt(answer_prefix)
-        self._emit(self.answer_ids(answer_prefix, answer), trained)
+        ids = self.answer_ids(answer_prefix, answer)
+        self._emit(ids[:-1], trained)
+        self._emit(ids[-1:], trained and train_end_of_turn)
         self._emit(self.tokens.assistant_suffix_rest)
         return self
 

@@ -188,6 +188,11 @@ class TokenizeConfig(Section):
                                       "goes.")] = Path("artifacts/tokenized")
     train_exemplars: Annotated[bool, Field(description="Put exemplar answers (positive ones, with feedback) in "
                                            "the loss mask too; off: only query answers are trained.")] = True
+    train_end_of_turn: Annotated[bool, Field(description="Put the end-of-turn token after each trained answer "
+                                             "in the loss mask. Off: only the label tokens are trained, so "
+                                             "training cannot teach the model to end its turns sooner in "
+                                             "general (the in-context RL harness forces the end of turn after a "
+                                             "complete label anyway).")] = True
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -177,7 +177,7 @@ class RenderedEpisode:
 
 
 def _render(episode: Episode, exemplars: list[Exemplar], tokens: Tokens, template: PromptTemplate,
-            train_exemplars: bool) -> RenderedEpisode:
+            train_exemplars: bool, train_end_of_turn: bool = True) -> RenderedEpisode:
     with_feedback = any(ex.reward is not None for ex in exemplars)
     conv = Conversation(tokens, separator=template.separator)
     conv.system(template.system(with_feedback))
@@ -185,7 +185,8 @@ def _render(episode: Episode, exemplars: list[Exemplar], tokens: Tokens, templat
         conv.user(template.query(ex.prompt))
         # A past attempt with a negative reward is context, never a training target.
         trained = train_exemplars and (ex.reward is None or ex.reward > 0)
-        conv.assistant_answer(template.answer_prefix, ex.answer, trained=trained)
+        conv.assistant_answer(template.answer_prefix, ex.answer, trained=trained,
+                              train_end_of_turn=train_end_of_turn)
         if ex.reward is not None:
             conv.user(template.feedback(ex.answer, ex.reward))
     spans = []
@@ -194,7 +195,8 @@ def _render(episode: Episode, exemplars: list[Exemplar], tokens: Tokens, templat
         conv.assistant_prompt(template.answer_prefix)
         start = conv.mark()
         preferred = conv.answer_ids(template.answer_prefix, query.preferred_answer)
-        conv._emit(preferred, trained=True)
+        conv._emit(preferred[:-1], trained=True)
+        conv._emit(preferred[-1:], trained=train_end_of_turn)  # the end-of-turn token
         conv._emit(tokens.assistant_suffix_rest)
         spans.append(QuerySpan(start, start + len(preferred),
                                conv.answer_ids(template.answer_prefix, query.rejected_answer)))
@@ -203,15 +205,16 @@ def _render(episode: Episode, exemplars: list[Exemplar], tokens: Tokens, templat
 
 
 def render_episode(episode: Episode, tokens: Tokens, max_tokens: int, template: PromptTemplate | None = None,
-                   train_exemplars: bool = True) -> RenderedEpisode:
+                   train_exemplars: bool = True, train_end_of_turn: bool = True) -> RenderedEpisode:
     """Render an episode into token ids and a loss mask over answer tokens (exemplar answers when
-    `train_exemplars`, every query's preferred answer, each with its end-of-turn token).
+    `train_exemplars`, every query's preferred answer, each with its end-of-turn token unless
+    `train_end_of_turn` is off).
 
     If the episode is longer than `max_tokens`, exemplars are dropped from the front until it fits; if the
     queries alone do not fit, `EpisodeTooLongError` names the episode."""
     template = template or template_for(episode.task_type)
     exemplars = list(episode.exemplars)
-    rendered = _render(episode, exemplars, tokens, template, train_exemplars)
+    rendered = _render(episode, exemplars, tokens, template, train_exemplars, train_end_of_turn)
     if rendered.longest_sequence() <= max_tokens:
         return rendered
     # Binary search on the number of exemplars dropped from the front: length is monotone in what is kept.
@@ -219,7 +222,8 @@ def render_episode(episode: Episode, tokens: Tokens, max_tokens: int, template: 
     best = None
     while low <= high:
         drop = (low + high) // 2
-        candidate = _render(episode, exemplars[drop:], tokens, template, train_exemplars)
+        candidate = _render(episode, exemplars[drop:], tokens, template, train_exemplars,
+                            train_end_of_turn)
         if candidate.longest_sequence() <= max_tokens:
             best, high = candidate, drop - 1
         else:

@@ -112,12 +112,13 @@ def content_hash(episode_files: Mapping[str, Path], tokenizer_id: str, settings:
 
 
 def tokenize_episodes(episodes: Iterable[Episode], split: str, tokens: Tokens, max_tokens: int,
-                      train_exemplars: bool = True) -> tuple[list[dict], list[str]]:
+                      train_exemplars: bool = True, train_end_of_turn: bool = True) -> tuple[list[dict], list[str]]:
     """Render episodes into rows (dicts following SCHEMA); return (rows, messages of episodes that do not fit)."""
     rows, too_long = [], []
     for episode in episodes:
         try:
-            rendered = render_episode(episode, tokens, max_tokens, train_exemplars=train_exemplars)
+            rendered = render_episode(episode, tokens, max_tokens, train_exemplars=train_exemplars,
+                                      train_end_of_turn=train_end_of_turn)
         except EpisodeTooLongError as exc:
             too_long.append(str(exc))
             continue

@@ -35,6 +35,8 @@ def render_settings(config: PipelineConfig, task_types: set[str], chat_format) -
         "train_exemplars": config.tokenize.train_exemplars,
         "chat_format": dataclasses.asdict(chat_format),
         "templates": {t: template_for(t or None).model_dump() for t in sorted(task_types)},
+        # only when off, so data tokenized before the option existed keeps its content hash
+        **({} if config.tokenize.train_end_of_turn else {"train_end_of_turn": False}),
     }
 
 
@@ -58,7 +60,8 @@ def tokenize(config: PipelineConfig) -> tuple[dict, Path]:
     rows, too_long = [], []
     for split, items in episodes.items():
         part, long_ = tokenize_episodes(tqdm(items, desc=f"tokenize {split}", unit="episode", leave=False), split,
-                                        tokens, config.data.episode_tokens, config.tokenize.train_exemplars)
+                                        tokens, config.data.episode_tokens, config.tokenize.train_exemplars,
+                                        config.tokenize.train_end_of_turn)
         rows += part
         too_long += long_
     if too_long:

@@ -71,6 +71,19 @@ def test_render_mask_covers_exactly_the_answers(tokens):
     assert tokens.decode(rendered.input_ids[:span.start]).endswith("<|im_start|>assistant\nIntent:")
 
 
+def test_end_of_turn_can_be_left_out_of_the_loss(tokens):
+    """train_end_of_turn=False: same ids and spans, the mask loses exactly the end-of-turn after each answer."""
+    episode = _episode(2)
+    full = render_episode(episode, tokens, 2048)
+    labels_only = render_episode(episode, tokens, 2048, train_end_of_turn=False)
+    assert labels_only.input_ids == full.input_ids and labels_only.queries == full.queries
+    dropped = [i for i, (a, b) in enumerate(zip(full.loss_mask, labels_only.loss_mask)) if a != b]
+    assert len(dropped) == 3 and all(full.input_ids[i] == tokens.end_of_turn_id for i in dropped)
+    assert all(b <= a for a, b in zip(full.loss_mask, labels_only.loss_mask))
+    masked = tokens.decode([t for t, m in zip(labels_only.input_ids, labels_only.loss_mask) if m])
+    assert masked == " lost or stolen card lost or stolen card card arrival"
+
+
 def test_rendering_matches_the_chat_template(tokens):
     """Piecewise ids equal the tokenizer's own chat template applied to the same messages."""
     episode = _episode(2)

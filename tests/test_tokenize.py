@@ -105,6 +105,14 @@ def test_tokenize_stage_writes_hash_named_file(in_tmp):
     config2 = load_config(None, [a for a in stage_args("data.episode_tokens=600") if a != "--set"])
     tokenize.run(config2)
     assert json.loads((in_tmp / "artifacts/tokenized/manifest.json").read_text())["file"] != manifest["file"]
+    # labels only (no end-of-turn in the loss): another name, one trained token fewer per answer
+    config3 = load_config(None, [a for a in stage_args("tokenize.train_end_of_turn=false") if a != "--set"])
+    third = tokenize.run(config3)
+    assert json.loads((in_tmp / "artifacts/tokenized/manifest.json").read_text())["file"] != manifest["file"]
+    rows = read_tokenized(in_tmp / "artifacts/tokenized")
+    assert rows[0].input_ids == first_row.input_ids
+    assert sum(rows[0].loss_mask) < sum(first_row.loss_mask)
+    assert third["loss_tokens"] < first["loss_tokens"]
 
 
 def test_a_fresh_process_renders_synthetic_tasks_with_their_template():

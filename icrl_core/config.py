@@ -212,6 +212,23 @@ class OptimFields(Section):
                                      "steps.")] = 20
 
 
+class ReplayConfig(Section):
+    """General-chat replay during the bootstrap (icrl_core/replay.py): a KL(policy || base) term on plain chats
+    whose replies the base model sampled, so training the in-context RL format leaves ordinary replies alone."""
+
+    beta: Annotated[float, Field(ge=0, description="Weight of the replay KL term (token mean over reply "
+                                 "positions) added to each bootstrap step; 0 turns replay off.")] = 0.0
+    tasks: Annotated[list[str], Field(min_length=1, description="Tasks whose *training* texts become the replay "
+                                      "chats' user turns (never put a held-out task here).")] = Field(
+        default_factory=lambda: ["banking77", "clinc150"])
+    prompts: Annotated[int, Field(ge=2, description="Replay chats generated (one in ten is kept for "
+                                  "validation).")] = 400
+    per_step: Annotated[int, Field(ge=1, description="Replay chats in each optimizer step.")] = 4
+    max_new_tokens: Annotated[int, Field(ge=1, le=1024, description="Longest sampled reply, in tokens.")] = 64
+    temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the base model's replies "
+                                        "(1.0: its own distribution).")] = 1.0
+
+
 class BootstrapConfig(OptimFields):
     """Supervised bootstrap (stage 3; see docs/TRAINING_DATA.md): masked CE on answer tokens + kl_beta * KL(policy
     || base) on the same positions."""
@@ -221,6 +238,8 @@ class BootstrapConfig(OptimFields):
     kl_beta: Annotated[float, Field(ge=0, description="Weight of KL(policy || base) on the answer positions.")] = 0.1
     lr_schedule: Annotated[Literal["constant", "linear"], Field(description="After warm-up: constant, or "
                                                                 "linear decay to 0 at max_steps.")] = "linear"
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="General-chat replay (off by "
+                                 "default: beta 0).")
     max_eval_episodes: Annotated[int | None, Field(ge=1, description="Validation episodes used at each "
                                                    "evaluation (the first N of the val split; empty = all).")] = 64
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, checkpoints).")] = Path(

@@ -5,6 +5,8 @@ Losses (one function each, formula in the docstring):
 - `kl_policy_base`:              KL_t = sum_v pi(v | x_<t) (log pi(v | x_<t) - log pi_base(v | x_<t)).
 - `bradley_terry_loss`:          L = -log sigmoid(r(x, y+) - r(x, y-)).
 - `bootstrap_objective`:         L = (sum_t CE_t + kl_beta * sum_t KL_t) / N_answer_tokens.
+- `replay_objective`:            L_replay = replay_beta * sum_t KL_t / N_reply_tokens over general-chat replies
+                                 (icrl_core/replay.py), added to each bootstrap step when replay is on.
 
 The loops talk only to a runtime (`tasks/runtime.py`: `report`, `save_checkpoint`, `load_latest_checkpoint`,
 `rank`, `world_size`). They are deterministic given the seed: the data order of step s is a pure function of
@@ -60,6 +62,14 @@ def bootstrap_objective(ce: torch.Tensor, kl: torch.Tensor | None, kl_beta: floa
     micro-batches and ranks add up to the token mean."""
     total = ce.sum() if kl is None else ce.sum() + kl_beta * kl.sum()
     return total / max(n_tokens, 1)
+
+
+def replay_objective(kl: torch.Tensor, replay_beta: float, n_tokens: int) -> torch.Tensor:
+    """L_replay = replay_beta * sum_t KL_t / n_tokens.
+
+    kl: (N,) KL(pi || pi_base) per reply token of this micro-batch; n_tokens: reply tokens of the whole (global)
+    replay batch of the step."""
+    return replay_beta * kl.sum() / max(n_tokens, 1)
 
 
 def bradley_terry_loss(r_preferred: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
@@ -231,6 +241,32 @@ def bootstrap_micro_step(policy, batch: EpisodeBatch, kl_beta: float, n_tokens: 
     return out
 
 
+def replay_micro_step(policy, batch, replay_beta: float, n_tokens: int, scale: float = 1.0) -> dict[str, float]:
+    """Backpropagate `scale * replay_objective` on one replay micro-batch (icrl_core.replay.ReplayBatch).
+    Returns the KL's sum over this micro-batch divided by n_tokens (times scale)."""
+    from icrl_core.replay import replay_kl
+
+    kl = replay_kl(policy, batch)
+    (replay_objective(kl, replay_beta, n_tokens) * scale).backward()
+    return {"replay_kl": float(kl.detach().sum()) / max(n_tokens, 1) * scale}
+
+
+@torch.no_grad()
+def evaluate_replay(policy, sequences, batch_size: int) -> dict:
+    """Validation: token-mean KL(pi || pi_base) over the reply positions of held-back replay chats."""
+    from icrl_core.replay import pad_replay, replay_kl
+
+    policy.eval()
+    pad = policy.tokenizer.pad_token_id
+    sums = {"kl": 0.0, "tokens": 0.0}
+    for part in chunks(distributed.shard(list(sequences)), batch_size):
+        batch = pad_replay(part, pad)
+        sums["kl"] += float(replay_kl(policy, batch).sum())
+        sums["tokens"] += batch.n_tokens
+    total = _combine(sums)
+    return {"val_replay_kl": total["kl"] / max(total["tokens"], 1.0)}
+
+
 def query_accuracy(correct: torch.Tensor, query_ids: torch.Tensor, n_queries: int) -> torch.Tensor:
     """acc_q = min over the answer tokens t of query q of correct_t (1 iff every token is the argmax).
 
@@ -270,11 +306,17 @@ def evaluate_bootstrap(policy, rows: Sequence[TokenizedEpisode], batch_size: int
 
 
 def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Sequence[TokenizedEpisode], cfg,
-                    seed: int, runtime) -> tuple[dict, list[dict]]:
+                    seed: int, runtime, replay: tuple[Sequence, Sequence] | None = None) -> tuple[dict, list[dict]]:
     """Supervised bootstrap (config `bootstrap`): AdamW on the policy's trainable parameters (LoRA or last
     blocks), loss `bootstrap_objective`, linear warm-up (+ optional linear decay), gradient clipping.
-    Evaluates every `eval_steps` and at the end; checkpoints every `save_steps` and at the end.
+    With `replay` = (train, validation) replay chats (icrl_core.replay) and `cfg.replay.beta` > 0, each step
+    adds `replay_objective` on `cfg.replay.per_step` of them (drawn like the episodes, a pure function of
+    (seed, step)). Evaluates every `eval_steps` and at the end; checkpoints every `save_steps` and at the end.
     Returns (metrics of the last step, train + validation; the metrics of every step)."""
+    from icrl_core.replay import pad_replay
+
+    replay_cfg = getattr(cfg, "replay", None)
+    replay_on = replay is not None and replay_cfg is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
     params = policy.trainable_parameters()
     if not params:
         raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")
@@ -303,6 +345,14 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
             for key, value in out.items():  # scaled by W: their mean over ranks is the global value
                 sums[key] = sums.get(key, 0.0) + value
             sums["tokens"] += sum(r.length for r in part)
+        if replay_on:
+            # Its own stream (seed + 1), so turning replay on does not change which episodes a step reads.
+            chats = [replay[0][i] for i in batch_indices(len(replay[0]), seed + 1, step, replay_cfg.per_step)]
+            n_reply = sum(c.reply_tokens for c in chats)
+            for part in chunks(distributed.shard(chats), cfg.batch_size):
+                out = replay_micro_step(policy, pad_replay(part, pad), replay_cfg.beta, n_reply, scale=world)
+                sums["replay_kl"] = sums.get("replay_kl", 0.0) + out["replay_kl"]
+                sums["tokens"] += sum(len(c.input_ids) for c in part)
         distributed.average_gradients(params)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         lr = optimizer.param_groups[0]["lr"]
@@ -315,6 +365,8 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
         if done % cfg.eval_steps == 0 or done == cfg.max_steps:
             if val_rows:
                 metrics.update(evaluate_bootstrap(policy, val_rows, cfg.batch_size, cfg.kl_beta))
+            if replay_on and len(replay[1]) > 0:
+                metrics.update(evaluate_replay(policy, replay[1], cfg.batch_size))
         history.append({"step": done, **metrics})
         runtime.report(metrics, done)
         if done % cfg.save_steps == 0 or done == cfg.max_steps:

@@ -49,6 +49,40 @@ def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]
     atomic_write_bytes(folder / "curves.png", buffer.getvalue())
 
 
+def replay_chats(config: PipelineConfig, policy, rank: int) -> tuple[list, list] | None:
+    """The replay chats (train, validation) when bootstrap.replay.beta > 0: read from output_dir/replay.jsonl if
+    it was generated with the same settings, else sampled from the base model (every rank samples the same
+    ones: deterministic in the seed) and written there by rank 0."""
+    import hashlib
+    import json
+
+    from icrl_core.replay import read_replay, replay_prompts, sample_replies, write_replay
+    from icrl_core.task_data import load_task
+
+    replay = config.bootstrap.replay
+    if replay.beta <= 0:
+        return None
+    key = hashlib.sha256(json.dumps({"spec": config.model.spec, "seed": config.seed,
+                                     "tasks_dir": str(config.data.tasks_dir),
+                                     **replay.model_dump(mode="json", exclude={"beta", "per_step"})},
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(config.bootstrap.output_dir) / "replay.jsonl"
+    chats = read_replay(path, key)
+    if chats is None:
+        from tqdm import tqdm
+
+        texts = [ex.text for name in replay.tasks
+                 for ex in load_task(name, config.data.tasks_dir, seed=config.seed).train]
+        prompts = replay_prompts(texts, replay.prompts, config.seed)
+        chats = sample_replies(policy, prompts, replay.max_new_tokens, replay.temperature, config.seed,
+                               progress=lambda b: tqdm(b, desc="replay: sampling base replies", unit="batch"))
+        if rank == 0:
+            write_replay(path, chats, key)
+    val = chats[::10]
+    train = [c for i, c in enumerate(chats) if i % 10]
+    return train, val
+
+
 def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.model import policy_from_config
     from icrl_core.supervised import finite, train_bootstrap
@@ -63,14 +97,15 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     policy = policy_from_config(config.model, seed=config.seed)
     progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy"))
     try:
-        metrics, history = train_bootstrap(policy, train, val, cfg, config.seed, progress)
+        replay = replay_chats(config, policy, runtime.rank)
+        metrics, history = train_bootstrap(policy, train, val, cfg, config.seed, progress, replay=replay)
     finally:
         progress.close()
     if runtime.rank == 0:
         out = Path(cfg.output_dir)
         policy.save_adapter(out / "adapter")
         write_history(out, history, {"loss": ["loss", "ce", "val_loss", "val_ce"], "KL(policy || base)":
-                                     ["kl", "val_kl"], "validation answer accuracy": ["val_answer_accuracy"]},
+                                     ["kl", "val_kl", "replay_kl", "val_replay_kl"], "validation answer accuracy": ["val_answer_accuracy"]},
                       f"bootstrap ({config.model.spec})")
     return finite(metrics)
 

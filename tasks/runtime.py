@@ -77,7 +77,7 @@ CHECKPOINT_ROOT = Path(".icrl") / "checkpoints"
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "build_dataset": ("seed", "model.spec", "data"),
     "tokenize": ("model.spec", "data.episode_tokens", "tokenize"),
-    "bootstrap": ("seed", "model", "bootstrap", "ray.num_workers"),
+    "bootstrap": ("seed", "model", "bootstrap", "data.tasks_dir", "ray.num_workers"),
     "reward_model": ("seed", "model", "reward_model", "ray.num_workers"),
     "ppo": ("seed", "model", "ppo", "ray.num_workers"),
     "adapt": ("seed", "model", "adapt"),

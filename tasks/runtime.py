@@ -113,8 +113,11 @@ def config_fingerprint(config: PipelineConfig, stage: str) -> str:
     import json
     from functools import reduce
 
-    tree = config.model_dump(mode="json")
-    picked = {key: reduce(dict.__getitem__, key.split("."), tree) for key in stage_param_keys(stage)}
+    # Only values that differ from the defaults: a field added later with a default that keeps the old behaviour
+    # (e.g. bootstrap.replay) leaves existing checkpoints resumable.
+    tree = config.model_dump(mode="json", exclude_defaults=True)
+    picked = {key: reduce(lambda node, part: (node or {}).get(part), key.split("."), tree)
+              for key in stage_param_keys(stage)}
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()
 
 

@@ -116,6 +116,9 @@ def test_checkpoint_key_changes_only_with_what_the_stage_depends_on():
     for related in ({"bootstrap.learning_rate": 1.23e-4}, {"data.num_episodes": 7}, {"model.adapter.rank": 4},
                     {"seed": 3}, {"ray.num_workers": 2}, {"tokenize.train_exemplars": flipped_exemplars}):
         assert checkpoint_dir_for(with_overrides(base, related), "bootstrap") != key, related
+    # a value set to its default is the default; a new field at its default leaves the key alone
+    assert checkpoint_dir_for(with_overrides(base, {"bootstrap.replay.beta": 0.0}), "bootstrap") == key
+    assert checkpoint_dir_for(with_overrides(base, {"bootstrap.replay.beta": 0.5}), "bootstrap") != key
     # ppo reads the bootstrap adapter, so a bootstrap change is a ppo change; the reverse is not.
     changed_bootstrap = with_overrides(base, {"bootstrap.max_steps": 3})
     assert checkpoint_dir_for(changed_bootstrap, "ppo") != checkpoint_dir_for(base, "ppo")

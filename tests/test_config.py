@@ -161,6 +161,7 @@ def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_
     assert overrides["icrl_eval.task"] == "trec_coarse"
     # the held-out tasks never feed training data
     assert not any("trec" in s["name"] or "nlu" in s["name"] for s in overrides["data.sources"])
+    assert not any("trec" in name or "nlu" in name for name in overrides["bootstrap.replay"]["tasks"])
     from flows.pipeline import apply_overrides
 
     params = tmp_path / "params.yaml"
@@ -168,6 +169,7 @@ def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_
     apply_overrides(overrides, str(params))
     experiment = load_config(params, [], environ={})
     assert experiment.data.exemplar_style == "feedback"
+    assert experiment.bootstrap.replay.beta > 0  # recipe H: general-chat replay on
     # one backward pass holds at most ~2 episodes of activations (4 pairs of 1536-token episodes were OOM-killed
     # on the 24 GB machine): bootstrap episodes, reward-model pairs (2 episodes each), PPO and adapt minibatches
     budget = 2 * experiment.data.episode_tokens

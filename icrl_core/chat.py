@@ -171,3 +171,10 @@ class Conversation:
 def answer_text(answer_prefix: str, answer: str) -> str:
     """The answer as written after its prefix: 'Intent:' + ' card arrival'; without a prefix, the bare answer."""
     return f" {answer}" if answer_prefix else answer
+
+
+def chat_prompt_ids(tokenizer, user_turn: str) -> list[int]:
+    """One user turn in the model's own chat template (with its default system prompt, if the template adds one),
+    ending with the assistant header: how the forgetting checks and general-chat replay ask a question."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": user_turn}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from icrl_core.chat import Tokens
+from icrl_core.chat import Tokens, chat_prompt_ids
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,7 @@ def choice_scores(policy, tokens: Tokens, items: list[ChoiceItem], progress=None
     prefixes = PrefixCache(policy, capacity=2)
     scores = []
     for item in (progress(items) if progress else items):
-        prompt = list(tok.apply_chat_template([{"role": "user", "content": item.question}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False))
+        prompt = chat_prompt_ids(tok, item.question)
         entry, _ = prefixes.prepare(prompt[:-1])
         answers = [list(tokens.encode(choice)) + ([tokens.end_of_turn_id] if end_of_turn else [])
                    for choice in item.choices]

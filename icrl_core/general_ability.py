@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from icrl_core.chat import chat_prompt_ids
+
 # (question, accepted answers). Written for this project; answers are short and unambiguous.
 QUESTIONS: list[tuple[str, tuple[str, ...]]] = [
     ("What is the capital of France?", ("Paris",)),
@@ -244,8 +246,7 @@ def is_correct(reply: str, accepted: tuple[str, ...]) -> bool:
 def answer_nll(policy, question: str, answer: str) -> float:
     """Mean negative log-likelihood per token of `answer` as the assistant's reply to `question`."""
     tok = policy.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
+    prompt = chat_prompt_ids(tok, question)
     answer_ids = tok.encode(answer, add_special_tokens=False)
     ids = torch.tensor([list(prompt) + answer_ids])
     logits, _, _ = policy.forward(ids)

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
+from icrl_core.chat import chat_prompt_ids
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_text
+from icrl_core.supervised import kl_policy_base, pad_sequences
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,6 @@ def replay_prompts(texts: Sequence[str], n: int, seed: int) -> list[str]:
     if len(unique) < n:
         raise UserError(f"replay asks for {n} prompts but its tasks hold {len(unique)} distinct training texts")
     return random.Random(seed).sample(unique, n)
-
-
-def chat_prompt_ids(tokenizer, user_turn: str) -> list[int]:
-    """The model's own chat template with its default system prompt, ending with the assistant header."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": user_turn}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
 
 
 @torch.no_grad()
@@ -120,23 +116,15 @@ class ReplayBatch:
 
 
 def pad_replay(sequences: Sequence[ReplaySequence], pad_id: int) -> ReplayBatch:
-    width = max(len(s.input_ids) for s in sequences)
-    shape = (len(sequences), width)
-    ids = torch.full(shape, pad_id, dtype=torch.long)
-    attention = torch.zeros(shape, dtype=torch.long)
-    predict_at = torch.zeros(shape, dtype=torch.bool)
+    ids, attention = pad_sequences([s.input_ids for s in sequences], pad_id)
+    predict_at = torch.zeros_like(attention, dtype=torch.bool)
     for i, s in enumerate(sequences):
-        n = len(s.input_ids)
-        ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
-        attention[i, :n] = 1
-        predict_at[i, s.reply_start - 1: n - 1] = True
+        predict_at[i, s.reply_start - 1: len(s.input_ids) - 1] = True
     return ReplayBatch(ids, attention, predict_at)
 
 
 def replay_kl(policy, batch: ReplayBatch) -> torch.Tensor:
     """KL_t(pi || pi_base) at every reply position of the batch (supervised.kl_policy_base). -> (N,)"""
-    from icrl_core.supervised import kl_policy_base
-
     logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)
     with torch.no_grad(), policy.reference():
         base_logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)

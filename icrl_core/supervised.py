@@ -315,8 +315,8 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
     Returns (metrics of the last step, train + validation; the metrics of every step)."""
     from icrl_core.replay import pad_replay
 
-    replay_cfg = getattr(cfg, "replay", None)
-    replay_on = replay is not None and replay_cfg is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
+    replay_cfg = cfg.replay
+    replay_on = replay is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
     params = policy.trainable_parameters()
     if not params:
         raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")

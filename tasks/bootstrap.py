@@ -104,9 +104,10 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     if runtime.rank == 0:
         out = Path(cfg.output_dir)
         policy.save_adapter(out / "adapter")
-        write_history(out, history, {"loss": ["loss", "ce", "val_loss", "val_ce"], "KL(policy || base)":
-                                     ["kl", "val_kl", "replay_kl", "val_replay_kl"], "validation answer accuracy": ["val_answer_accuracy"]},
-                      f"bootstrap ({config.model.spec})")
+        panels = {"loss": ["loss", "ce", "val_loss", "val_ce"],
+                  "KL(policy || base)": ["kl", "val_kl", "replay_kl", "val_replay_kl"],
+                  "validation answer accuracy": ["val_answer_accuracy"]}
+        write_history(out, history, panels, f"bootstrap ({config.model.spec})")
     return finite(metrics)
 
 

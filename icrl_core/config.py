@@ -506,6 +506,10 @@ class EvaluateConfig(Section):
     ] = {}
     forgetting_questions: Annotated[int, Field(ge=0, le=500, description="General-ability questions asked to "
                                                "both models (0 = skip the forgetting check).")] = 40
+    forgetting_max_new_tokens: Annotated[int, Field(ge=1, le=256, description="Length of each greedy reply of "
+                                                    "the forgetting check, in tokens. Replies often restate "
+                                                    "the question first, so a short cut counts a right answer "
+                                                    "wrong when it comes late (24 did).")] = 64
     forgetting_probe_items: Annotated[int, Field(ge=0, le=5000, description="Multiple-choice items scored by "
                                                  "likelihood (icrl_core/choice_probe.py, ~1500 generated) both "
                                                  "models answer: the forgetting measure fine enough to resolve "

@@ -255,7 +255,7 @@ def answer_nll(policy, question: str, answer: str) -> float:
     return float(-picked.mean())
 
 
-def measure(policy, questions=QUESTIONS, max_new_tokens: int = 24, progress=None) -> AbilityReport:
+def measure(policy, questions=QUESTIONS, max_new_tokens: int = 64, progress=None) -> AbilityReport:
     """Greedy accuracy and reference-answer NLL over `questions`."""
     from icrl_core.generation import greedy_chat_answer
 

@@ -42,11 +42,11 @@ def _policy(config: PipelineConfig, adapter: Path | None):
     return load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
 
 
-def forgetting(policy, n: int) -> dict:
-    """The greedy question check (first `n` questions) for one model."""
+def forgetting(policy, n: int, max_new_tokens: int = 64) -> dict:
+    """The greedy question check (first `n` questions, replies of up to `max_new_tokens`) for one model."""
     from icrl_core.general_ability import QUESTIONS, measure
 
-    report = measure(policy, QUESTIONS[:n])
+    report = measure(policy, QUESTIONS[:n], max_new_tokens=max_new_tokens)
     return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
 
 
@@ -67,7 +67,8 @@ def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
     cfg = config.evaluate
     policy = _policy(config, adapter)
     name = "trained" if adapter else "base"
-    return {"greedy": forgetting(policy, cfg.forgetting_questions) if cfg.forgetting_questions else None,
+    return {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens)
+                       if cfg.forgetting_questions else None),
             "probe": forgetting_probe(policy, cfg.forgetting_probe_items, name) if cfg.forgetting_probe_items
             else None}
 

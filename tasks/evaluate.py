@@ -42,7 +42,7 @@ def _policy(config: PipelineConfig, adapter: Path | None):
     return load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
 
 
-def forgetting(policy, n: int, max_new_tokens: int = 64) -> dict:
+def forgetting(policy, n: int, max_new_tokens: int) -> dict:
     """The greedy question check (first `n` questions, replies of up to `max_new_tokens`) for one model."""
     from icrl_core.general_ability import QUESTIONS, measure
 

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
+from icrl_core.chat import chat_prompt_ids
 from icrl_core.checkpoint import list_checkpoints
 from icrl_core.config import BootstrapConfig, LoraAdapter, ReplayConfig
 from icrl_core.errors import UserError
 from icrl_core.model import load_policy
-from icrl_core.chat import chat_prompt_ids
 from icrl_core.replay import (ReplaySequence, pad_replay, read_replay, replay_kl, replay_prompts, sample_replies,
                               write_replay)
 from icrl_core.supervised import evaluate_replay, replay_micro_step, replay_objective, train_bootstrap

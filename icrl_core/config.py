@@ -527,9 +527,11 @@ class EvaluateConfig(Section):
                                                            "trained model's final test accuracy (first strategy) "
                                                            "to beat its own zero-shot accuracy by at least "
                                                            "this.")] = None
-    reuse_base_runs: Annotated[bool, Field(description="Reuse a finished base-model run with the same model, "
-                                           "icrl_eval settings, seed, data and harness code (kept in "
-                                           ".icrl/evaluations/): base runs do not depend on training.")] = True
+    reuse_runs: Annotated[bool, Field(description="Reuse a finished evaluation run (and forgetting measurement) "
+                                      "with the same model (a trained adapter by its bytes), icrl_eval settings, "
+                                      "seed, data and harness code, kept in .icrl/evaluations/: base-model runs "
+                                      "do not depend on training. An interrupted run is resumed from its log "
+                                      "either way.")] = True
     workers: Annotated[int, Field(ge=1, le=16, description="Evaluation runs executed at once, each in its own "
                                   "process with cpu_count / workers torch threads (2 on a 2-core machine: one "
                                   "single-threaded run per core is faster than two-threaded runs in turn).")] = 1

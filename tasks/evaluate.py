@@ -62,15 +62,44 @@ def forgetting_probe(policy, n: int, name: str) -> dict:
     return {"accuracy": report.accuracy, "by_family": report.by_family, "correct": report.correct}
 
 
-def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
-    """Both forgetting measures that are switched on, for one model loaded once."""
+def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
+    """A hash of what one model's forgetting measurements depend on: the model (a trained adapter by its bytes),
+    the measurements' settings and their source code."""
+    import hashlib
+    import json
+
+    from icrl_core.io import sha256_file
+
+    root = Path(__file__).resolve().parents[1]
     cfg = config.evaluate
+    payload = {"model": _model_identity(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
+                                                                else None})),
+               "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
+               "probe": cfg.forgetting_probe_items,
+               "code": {name: sha256_file(root / name) for name in _ABILITY_SOURCES}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
+    """Both forgetting measures that are switched on, for one model loaded once. Kept under `ability_key` (a
+    stage killed after measuring one model does not measure it again) and reused when `evaluate.reuse_runs`."""
+    import json
+
+    from icrl_core.io import atomic_write_json
+
+    cfg = config.evaluate
+    stored = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
+    if cfg.reuse_runs and stored.exists():
+        return json.loads(stored.read_text())
     policy = _policy(config, adapter)
     name = "trained" if adapter else "base"
-    return {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens)
-                       if cfg.forgetting_questions else None),
-            "probe": forgetting_probe(policy, cfg.forgetting_probe_items, name) if cfg.forgetting_probe_items
-            else None}
+    result = {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens)
+                         if cfg.forgetting_questions else None),
+              "probe": forgetting_probe(policy, cfg.forgetting_probe_items, name) if cfg.forgetting_probe_items
+              else None}
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(stored, result)
+    return json.loads(stored.read_text())  # the same JSON types whether measured now or reused
 
 
 def interpolated_adapter(config: PipelineConfig, source: Path, scale: float, target: Path) -> Path:
@@ -105,22 +134,24 @@ def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[di
             "forgetting_mcnemar_p": paired.mcnemar_p}
 
 
-def _evaluate_in_worker(config_json: dict, position: int) -> dict:
+def _evaluate_in_worker(config_json: dict, position: int, resume: bool) -> dict:
     """One evaluation run in a pool process (the config travels as JSON and is validated again)."""
     from icrl_core.config import PipelineConfig as Config
     from tasks.icrl_eval import evaluate
 
-    return evaluate(Config.model_validate(config_json), progress=True, position=position)
+    return evaluate(Config.model_validate(config_json), resume=resume, progress=True, position=position)
 
 
-def run_evaluations(configs: list[PipelineConfig], workers: int) -> list[dict]:
+def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bool] | None = None) -> list[dict]:
     """Run the evaluation `configs` (in order of the returned list), `workers` at a time in separate processes,
-    each with cpu_count / workers torch threads; one worker runs them in this process, one after another."""
+    each with cpu_count / workers torch threads; one worker runs them in this process, one after another.
+    `resume[i]`: continue config i's existing run folder from its log."""
     from tasks.icrl_eval import evaluate
 
+    resume = resume or [False] * len(configs)
     workers = min(workers, len(configs))
     if workers <= 1:
-        return [evaluate(c, progress=True) for c in configs]
+        return [evaluate(c, resume=r, progress=True) for c, r in zip(configs, resume)]
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -130,30 +161,55 @@ def run_evaluations(configs: list[PipelineConfig], workers: int) -> list[dict]:
             for c in configs]
     # spawn: a fresh interpreter per worker (forking a process that holds torch threads is unsafe)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_evaluate_in_worker, job, index % workers) for index, job in enumerate(jobs)]
+        futures = [pool.submit(_evaluate_in_worker, job, index % workers, again)
+                   for index, (job, again) in enumerate(zip(jobs, resume))]
         return [future.result() for future in futures]
 
 
-# Base-model runs do not depend on training: they are kept here and reused while everything they depend on is
-# unchanged (outside the stage's DVC outs, which DVC deletes before the stage runs).
+# Finished runs are kept here by `result_key` and reused while everything they depend on is unchanged (base-model
+# runs do not depend on training); runs in progress live in partial/, forgetting measurements in ability/. All of
+# it is outside the stage's DVC outs, which DVC deletes before the stage runs.
 RESULT_CACHE = Path(".icrl") / "evaluations"
+_ABILITY_SOURCES = ("icrl_core/general_ability.py", "icrl_core/choice_probe.py", "icrl_core/generation.py",
+                    "icrl_core/chat.py", "icrl_core/kernels.py", "icrl_core/model.py")
 _HARNESS_SOURCES = ("icrl_core/icrl_eval.py", "icrl_core/kernels.py", "icrl_core/chat.py", "icrl_core/prompting.py",
                     "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py")
 
 
+def adapter_digest(adapter: Path) -> str:
+    """The sha256 of an adapter folder's files (names and bytes): retraining into the same folder changes it."""
+    import hashlib
+
+    from icrl_core.io import sha256_file
+
+    files = sorted(p for p in Path(adapter).iterdir() if p.is_file())
+    return hashlib.sha256("".join(f"{p.name}:{sha256_file(p)};" for p in files).encode()).hexdigest()
+
+
+def _model_identity(config: PipelineConfig) -> dict:
+    """The model settings a result depends on: the dtype as resolved on this machine, and a trained adapter by
+    its content rather than its path."""
+    from icrl_core.model import resolve_dtype
+
+    identity = {**config.model.model_dump(mode="json"), "dtype": resolve_dtype(config.model.dtype)}
+    if config.model.init_adapter is not None:
+        identity["init_adapter"] = adapter_digest(config.model.init_adapter)
+    return identity
+
+
 def result_key(config: PipelineConfig) -> str:
-    """A hash of what a run's outcome depends on: the model (dtype resolved on this machine), the icrl_eval
-    settings except speed-only ones, the seed, the data folder, and the harness's source code."""
+    """A hash of what a run's outcome depends on: the model (dtype resolved on this machine, a trained adapter by
+    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, and the
+    harness's source code."""
     import hashlib
     import json
 
     from icrl_core.io import sha256_file
-    from icrl_core.model import resolve_dtype
     from tasks.icrl_eval import FREE_ON_RESUME
 
     root = Path(__file__).resolve().parents[1]
     payload = {
-        "model": {**config.model.model_dump(mode="json"), "dtype": resolve_dtype(config.model.dtype)},
+        "model": _model_identity(config),
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
         "code": {name: sha256_file(root / name) for name in _HARNESS_SOURCES},
@@ -164,9 +220,6 @@ def result_key(config: PipelineConfig) -> str:
 def cached_result(config: PipelineConfig) -> dict | None:
     """A finished run with the same `result_key`, copied into this config's run folder; None if there is none."""
     import json
-    import shutil
-
-    from tasks.icrl_eval import run_dir_for
 
     cached = RESULT_CACHE / result_key(config)
     try:
@@ -176,11 +229,28 @@ def cached_result(config: PipelineConfig) -> dict | None:
         return None
     if not finished:
         return None
+    return {**deliver(config, cached, metrics), "cached": True}
+
+
+def deliver(config: PipelineConfig, source: Path, metrics: dict | None = None) -> dict:
+    """Copy the finished run folder `source` to this config's run folder; its metrics, with that folder."""
+    import json
+    import shutil
+
+    from tasks.icrl_eval import run_dir_for
+
+    metrics = metrics if metrics is not None else json.loads((source / "metrics.json").read_text())
     run_dir = run_dir_for(config.icrl_eval)
     shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.copytree(cached, run_dir)
+    shutil.copytree(source, run_dir)
     metrics["test_accuracy"] = {int(step): value for step, value in metrics.get("test_accuracy", {}).items()}
-    return {**metrics, "run_dir": str(run_dir), "cached": True}
+    return {**metrics, "run_dir": str(run_dir)}
+
+
+def work_config(config: PipelineConfig) -> PipelineConfig:
+    """The same run computed in a folder named by its `result_key`, outside the stage's DVC outs (DVC deletes
+    those before the stage runs): a stage killed mid-run resumes the run from its log when it runs again."""
+    return with_overrides(config, {"icrl_eval.output_dir": str(RESULT_CACHE / "partial" / result_key(config))})
 
 
 def store_result(config: PipelineConfig, run_dir: Path) -> None:
@@ -212,6 +282,40 @@ def gates(metrics: dict, cfg) -> dict:
     return out
 
 
+def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool) -> tuple[list[dict], int]:
+    """The finished runs of `configs` (each copied into its own run folder) and how many were resumed. A run
+    whose `result_key` is stored is reused (when `reuse`); the others run in their work folders
+    (`work_config`), continuing from the log a killed stage left there; finished runs are then stored."""
+    import json
+    import shutil
+
+    from tasks.icrl_eval import run_dir_for
+
+    results: list[dict | None] = [cached_result(c) if reuse else None for c in configs]
+    todo, resume = [], []
+    for i, config in enumerate(configs):
+        if results[i] is not None:
+            continue
+        work_dir = run_dir_for(work_config(config).icrl_eval)
+        try:
+            finished = json.loads((work_dir / "run.json").read_text()).get("status") == "finished"
+        except (FileNotFoundError, json.JSONDecodeError):
+            finished = False
+        if finished:  # killed after the run finished and before it was stored
+            store_result(config, work_dir)
+            results[i] = deliver(config, work_dir)
+            shutil.rmtree(work_dir.parent, ignore_errors=True)
+            continue
+        todo.append(i)
+        resume.append((work_dir / "config.json").exists())
+    for i, result in zip(todo, run_evaluations([work_config(configs[i]) for i in todo], workers, resume)):
+        work_dir = Path(result["run_dir"])
+        store_result(configs[i], work_dir)
+        results[i] = deliver(configs[i], work_dir)
+        shutil.rmtree(work_dir.parent, ignore_errors=True)
+    return results, sum(resume)
+
+
 def run(config: PipelineConfig) -> dict:
     import shutil
 
@@ -225,7 +329,7 @@ def run(config: PipelineConfig) -> dict:
     if not (adapter / "adapter.safetensors").exists():
         raise UserError(f"evaluate.adapter {adapter}: no trained adapter (run the ppo stage first)")
     out = Path(cfg.output_dir)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # a stage rerun starts its evaluation runs afresh
+    shutil.rmtree(out / "runs", ignore_errors=True)  # refilled from the finished runs (evaluation_results)
     shutil.rmtree(out / "adapter", ignore_errors=True)
     started = time.perf_counter()
     metrics: dict = {"task": config.icrl_eval.task, "trained_adapter": str(adapter),
@@ -238,15 +342,9 @@ def run(config: PipelineConfig) -> dict:
             for which, adapter_dir in (("base", None), ("trained", adapter))]
     with stage_run(config, STAGE) as tracker:
         configs = [_eval_config(config, *job) for job in jobs]
-        # base runs found in the cache are copied, the others run (in the pool); base runs are then cached
-        results: list[dict | None] = [cached_result(c) if which == "base" and cfg.reuse_base_runs else None
-                                      for c, (_, which, _) in zip(configs, jobs)]
-        todo = [i for i, r in enumerate(results) if r is None]
-        for i, result in zip(todo, run_evaluations([configs[i] for i in todo], cfg.workers)):
-            results[i] = result
-            if jobs[i][1] == "base":
-                store_result(configs[i], Path(result["run_dir"]))
-        metrics["base_runs_reused"] = len(jobs) - len(todo)
+        results, resumed = evaluation_results(configs, cfg.workers, cfg.reuse_runs)
+        metrics["runs_reused"] = sum(bool(r.get("cached")) for r in results)
+        metrics["runs_resumed"] = resumed
         run_dirs = []
         for (strategy, which, _), result in zip(jobs, results):
             run_dirs.append(Path(result["run_dir"]))

@@ -84,3 +84,79 @@ def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_t
     assert reused["cached"] and reused["test_accuracy"] == first["test_accuracy"]
     assert _steps(reused["run_dir"]) == _steps(first["run_dir"])
     assert Path(reused["run_dir"]).parent == in_tmp / "elsewhere"
+
+
+def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
+    """DVC deletes a stage's outs before it runs again, so runs are computed in work folders outside them: a run
+    interrupted at its first test continues from its log and logs what an uninterrupted run logs."""
+    from tasks.evaluate import evaluation_results, work_config
+    from tasks.icrl_eval import evaluate
+
+    configs = _configs(in_tmp / "runs")[:2]
+    reference = run_evaluations(_configs(in_tmp / "reference")[:2], workers=1)
+
+    def killed(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt  # what a SIGINT does mid-run; a SIGKILL loses at most the step in progress
+
+    try:
+        evaluate(work_config(configs[0]), progress=False, on_test=killed)
+    except KeyboardInterrupt:
+        pass
+    results, resumed = evaluation_results(configs, workers=1, reuse=True)
+    assert resumed == 1
+    for done, expected in zip(results, reference):
+        assert Path(done["run_dir"]).parent == in_tmp / "runs"  # delivered into the stage's own folder
+        assert done["test_accuracy"] == expected["test_accuracy"]
+        assert _steps(done["run_dir"]) == _steps(expected["run_dir"])
+    assert json.loads(Path(results[0]["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
+    # finished runs are stored and their work folders removed; a second stage run reuses them all
+    assert not any((in_tmp / ".icrl" / "evaluations" / "partial").iterdir())
+    again, resumed = evaluation_results(configs, workers=1, reuse=True)
+    assert resumed == 0 and all(r["cached"] for r in again)
+
+
+def test_a_trained_adapter_is_known_by_its_bytes_not_its_path(in_tmp):
+    import shutil
+
+    from icrl_core.config import with_overrides
+    from icrl_core.model import policy_from_config
+    from tasks.evaluate import result_key
+
+    config = _configs(in_tmp / "runs")[0]
+    policy = policy_from_config(config.model)
+    policy.save_adapter(in_tmp / "a")
+    shutil.copytree(in_tmp / "a", in_tmp / "b")
+    key = {name: result_key(with_overrides(config, {"model.init_adapter": str(in_tmp / name)})) for name in "ab"}
+    assert key["a"] == key["b"] != result_key(config)
+    with open(in_tmp / "b" / "adapter.safetensors", "r+b") as handle:  # retrained in place: other bytes
+        handle.seek(-1, 2)
+        last = handle.read(1)
+        handle.seek(-1, 2)
+        handle.write(bytes([last[0] ^ 1]))
+    assert result_key(with_overrides(config, {"model.init_adapter": str(in_tmp / "b")})) != key["a"]
+
+
+def test_forgetting_measurements_are_kept_and_reused(in_tmp, monkeypatch):
+    import tasks.evaluate as stage
+
+    config = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                                "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3"],
+                         environ={})
+    first = stage.general_ability(config, None)
+    assert len(first["greedy"]["answers"]) == 2 and len(first["probe"]["correct"]) == 3
+    monkeypatch.setattr(stage, "_policy", lambda *args: (_ for _ in ()).throw(AssertionError("measured again")))
+    assert stage.general_ability(config, None) == first
+    changed = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                                 "evaluate.forgetting_max_new_tokens=5", "evaluate.forgetting_probe_items=3"],
+                          environ={})
+    assert stage.ability_key(changed, None) != stage.ability_key(config, None)
+    fresh = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                               "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3",
+                               "evaluate.reuse_runs=false"], environ={})
+    try:
+        stage.general_ability(fresh, None)
+    except AssertionError as error:
+        assert "measured again" in str(error)  # reuse_runs false measures again
+    else:
+        raise AssertionError("reuse_runs=false reused the stored measurement")

@@ -5,6 +5,9 @@ settings) runs twice on the same seeds: the base model, and the base model with 
 (`evaluate.adapter`); `evaluate.workers` runs go at once, each in its own process. Then the forgetting check
 (icrl_core/general_ability.py) asks both models the first `evaluate.forgetting_questions` general questions, and
 the multiple-choice probe (icrl_core/choice_probe.py) scores `evaluate.forgetting_probe_items` items.
+Runs are computed in work folders under .icrl/evaluations/ (DVC deletes the stage's outs before it runs), so a
+stage killed mid-run continues each run from its log; finished runs and forgetting measurements are kept there by
+a hash of what they depend on and reused (`evaluate.reuse_runs`).
 Outputs: evaluate.output_dir/{runs/, learning_curve.png, report.json}, metrics/evaluate.json, an MLflow run.
 `promote` reads `evaluate.metric` and `eligible` (the forgetting check and the held-out gain both passed).
 """

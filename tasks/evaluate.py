@@ -68,19 +68,11 @@ def forgetting_probe(policy, n: int, name: str) -> dict:
 def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
     """A hash of what one model's forgetting measurements depend on: the model (a trained adapter by its bytes),
     the measurements' settings and their source code."""
-    import hashlib
-    import json
-
-    from icrl_core.io import sha256_file
-
-    root = Path(__file__).resolve().parents[1]
     cfg = config.evaluate
-    payload = {"model": _model_identity(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
-                                                                else None})),
-               "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
-               "probe": cfg.forgetting_probe_items,
-               "code": {name: sha256_file(root / name) for name in _ABILITY_SOURCES}}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    return _digest({"model": _model_identity(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
+                                                                     else None})),
+                    "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
+                    "probe": cfg.forgetting_probe_items}, _ABILITY_SOURCES)
 
 
 def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
@@ -204,45 +196,55 @@ def result_key(config: PipelineConfig) -> str:
     """A hash of what a run's outcome depends on: the model (dtype resolved on this machine, a trained adapter by
     the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, and the
     harness's source code."""
+    from tasks.icrl_eval import FREE_ON_RESUME
+
+    return _digest({
+        "model": _model_identity(config),
+        "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
+        "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+    }, _HARNESS_SOURCES)
+
+
+def _digest(payload: dict, sources: tuple[str, ...]) -> str:
+    """A short sha256 of `payload` and of the source files (relative to the project) that compute the result."""
     import hashlib
     import json
 
     from icrl_core.io import sha256_file
-    from tasks.icrl_eval import FREE_ON_RESUME
 
     root = Path(__file__).resolve().parents[1]
-    payload = {
-        "model": _model_identity(config),
-        "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
-        "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
-        "code": {name: sha256_file(root / name) for name in _HARNESS_SOURCES},
-    }
+    payload = {**payload, "code": {name: sha256_file(root / name) for name in sources}}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def cached_result(config: PipelineConfig) -> dict | None:
     """A finished run with the same `result_key`, copied into this config's run folder; None if there is none."""
+    cached = RESULT_CACHE / result_key(config)
+    if not _finished(cached):
+        return None
+    return {**deliver(config, cached), "cached": True}
+
+
+def _finished(run_dir: Path) -> bool:
+    """Whether the run folder holds a finished run (its run.json says so and its metrics are written)."""
     import json
 
-    cached = RESULT_CACHE / result_key(config)
     try:
-        finished = json.loads((cached / "run.json").read_text()).get("status") == "finished"
-        metrics = json.loads((cached / "metrics.json").read_text())
+        info = json.loads((run_dir / "run.json").read_text())
+        json.loads((run_dir / "metrics.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if not finished:
-        return None
-    return {**deliver(config, cached, metrics), "cached": True}
+        return False
+    return info.get("status") == "finished"
 
 
-def deliver(config: PipelineConfig, source: Path, metrics: dict | None = None) -> dict:
+def deliver(config: PipelineConfig, source: Path) -> dict:
     """Copy the finished run folder `source` to this config's run folder; its metrics, with that folder."""
     import json
     import shutil
 
     from tasks.icrl_eval import run_dir_for
 
-    metrics = metrics if metrics is not None else json.loads((source / "metrics.json").read_text())
+    metrics = json.loads((source / "metrics.json").read_text())
     run_dir = run_dir_for(config.icrl_eval)
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(source, run_dir)
@@ -289,33 +291,31 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool)
     """The finished runs of `configs` (each copied into its own run folder) and how many were resumed. A run
     whose `result_key` is stored is reused (when `reuse`); the others run in their work folders
     (`work_config`), continuing from the log a killed stage left there; finished runs are then stored."""
-    import json
     import shutil
 
     from tasks.icrl_eval import run_dir_for
 
+    def keep(i: int, work_dir: Path) -> dict:
+        store_result(configs[i], work_dir)
+        delivered = deliver(configs[i], work_dir)
+        shutil.rmtree(work_dir.parent, ignore_errors=True)
+        return delivered
+
     results: list[dict | None] = [cached_result(c) if reuse else None for c in configs]
-    todo, resume = [], []
+    todo, work, resume = [], [], []
     for i, config in enumerate(configs):
         if results[i] is not None:
             continue
-        work_dir = run_dir_for(work_config(config).icrl_eval)
-        try:
-            finished = json.loads((work_dir / "run.json").read_text()).get("status") == "finished"
-        except (FileNotFoundError, json.JSONDecodeError):
-            finished = False
-        if finished:  # killed after the run finished and before it was stored
-            store_result(config, work_dir)
-            results[i] = deliver(config, work_dir)
-            shutil.rmtree(work_dir.parent, ignore_errors=True)
+        work_run = work_config(config)
+        work_dir = run_dir_for(work_run.icrl_eval)
+        if _finished(work_dir):  # killed after the run finished and before it was stored
+            results[i] = keep(i, work_dir)
             continue
         todo.append(i)
+        work.append(work_run)
         resume.append((work_dir / "config.json").exists())
-    for i, result in zip(todo, run_evaluations([work_config(configs[i]) for i in todo], workers, resume)):
-        work_dir = Path(result["run_dir"])
-        store_result(configs[i], work_dir)
-        results[i] = deliver(configs[i], work_dir)
-        shutil.rmtree(work_dir.parent, ignore_errors=True)
+    for i, result in zip(todo, run_evaluations(work, workers, resume)):
+        results[i] = keep(i, Path(result["run_dir"]))
     return results, sum(resume)
 
 

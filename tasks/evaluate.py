@@ -2,9 +2,10 @@
 
 For each strategy in `evaluate.strategies`, the in-context RL harness (tasks/icrl_eval.py, `icrl_eval.*`
 settings) runs twice on the same seeds: the base model, and the base model with the trained adapter
-(`evaluate.adapter`); `evaluate.workers` runs go at once, each in its own process. Then the forgetting check
-(icrl_core/general_ability.py) asks both models the first `evaluate.forgetting_questions` general questions, and
-the multiple-choice probe (icrl_core/choice_probe.py) scores `evaluate.forgetting_probe_items` items.
+(`evaluate.adapter`). The forgetting check (icrl_core/general_ability.py) asks both models the first
+`evaluate.forgetting_questions` general questions, and the multiple-choice probe (icrl_core/choice_probe.py)
+scores `evaluate.forgetting_probe_items` items. Runs and each model's measurements are jobs of one pool,
+`evaluate.workers` at a time, each in its own process.
 Runs are computed in work folders under .icrl/evaluations/ (DVC deletes the stage's outs before it runs), so a
 stage killed mid-run continues each run from its log; finished runs and forgetting measurements are kept there by
 a hash of what they depend on and reused (`evaluate.reuse_runs`).
@@ -45,15 +46,19 @@ def _policy(config: PipelineConfig, adapter: Path | None):
     return load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
 
 
-def forgetting(policy, n: int, max_new_tokens: int) -> dict:
+def forgetting(policy, n: int, max_new_tokens: int, name: str = "model", position: int = 0) -> dict:
     """The greedy question check (first `n` questions, replies of up to `max_new_tokens`) for one model."""
+    from tqdm.auto import tqdm
+
     from icrl_core.general_ability import QUESTIONS, measure
 
-    report = measure(policy, QUESTIONS[:n], max_new_tokens=max_new_tokens)
+    report = measure(policy, QUESTIONS[:n], max_new_tokens=max_new_tokens,
+                     progress=lambda items: tqdm(items, desc=f"forgetting check ({name})", unit="question",
+                                                 position=position, leave=False))
     return {"accuracy": report.accuracy, "answer_nll": report.answer_nll, "answers": report.answers}
 
 
-def forgetting_probe(policy, n: int, name: str) -> dict:
+def forgetting_probe(policy, n: int, name: str, position: int = 0) -> dict:
     """The multiple-choice probe (first `n` generated items, seed 0) for one model."""
     from tqdm.auto import tqdm
 
@@ -61,7 +66,7 @@ def forgetting_probe(policy, n: int, name: str) -> dict:
 
     report = measure_choices(policy, policy.tokens, generate_items(seed=0)[:n],
                              progress=lambda items: tqdm(items, desc=f"forgetting probe ({name})", unit="item",
-                                                         leave=False))
+                                                         position=position, leave=False))
     return {"accuracy": report.accuracy, "by_family": report.by_family, "correct": report.correct}
 
 
@@ -75,26 +80,37 @@ def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
                     "probe": cfg.forgetting_probe_items}, _ABILITY_SOURCES)
 
 
-def general_ability(config: PipelineConfig, adapter: Path | None) -> dict:
+def stored_ability(config: PipelineConfig, adapter: Path | None) -> dict | None:
+    """The forgetting measurements kept under `ability_key`, if any and `evaluate.reuse_runs`."""
+    import json
+
+    stored = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
+    if not config.evaluate.reuse_runs or not stored.exists():
+        return None
+    return json.loads(stored.read_text())
+
+
+def general_ability(config: PipelineConfig, adapter: Path | None, position: int = 0) -> dict:
     """Both forgetting measures that are switched on, for one model loaded once. Kept under `ability_key` (a
     stage killed after measuring one model does not measure it again) and reused when `evaluate.reuse_runs`."""
     import json
 
     from icrl_core.io import atomic_write_json
 
+    stored = stored_ability(config, adapter)
+    if stored is not None:
+        return stored
     cfg = config.evaluate
-    stored = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
-    if cfg.reuse_runs and stored.exists():
-        return json.loads(stored.read_text())
     policy = _policy(config, adapter)
     name = "trained" if adapter else "base"
-    result = {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens)
+    result = {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens, name, position)
                          if cfg.forgetting_questions else None),
-              "probe": forgetting_probe(policy, cfg.forgetting_probe_items, name) if cfg.forgetting_probe_items
-              else None}
-    stored.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(stored, result)
-    return json.loads(stored.read_text())  # the same JSON types whether measured now or reused
+              "probe": (forgetting_probe(policy, cfg.forgetting_probe_items, name, position)
+                        if cfg.forgetting_probe_items else None)}
+    target = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(target, result)
+    return json.loads(target.read_text())  # the same JSON types whether measured now or reused
 
 
 def interpolated_adapter(config: PipelineConfig, source: Path, scale: float, target: Path) -> Path:
@@ -129,36 +145,64 @@ def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[di
             "forgetting_mcnemar_p": paired.mcnemar_p}
 
 
-def _evaluate_in_worker(config_json: dict, position: int, resume: bool) -> dict:
-    """One evaluation run in a pool process (the config travels as JSON and is validated again)."""
+def _evaluate_job(config_json: dict, resume: bool, position: int = 0, threads: int = 0) -> dict:
+    """One evaluation run (the config travels as JSON and is validated again); `threads` torch threads (0: as is)."""
     from icrl_core.config import PipelineConfig as Config
     from tasks.icrl_eval import evaluate
 
-    return evaluate(Config.model_validate(config_json), resume=resume, progress=True, position=position)
+    config = Config.model_validate(config_json)
+    if threads and not config.icrl_eval.threads:
+        config = with_overrides(config, {"icrl_eval.threads": threads})
+    return evaluate(config, resume=resume, progress=True, position=position)
+
+
+def _ability_job(config_json: dict, adapter: str | None, position: int = 0, threads: int = 0) -> dict:
+    """One model's forgetting measurements (`general_ability`), with `threads` torch threads (0: as is)."""
+    from icrl_core.config import PipelineConfig as Config
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return general_ability(Config.model_validate(config_json), Path(adapter) if adapter else None, position)
+
+
+def in_pool(jobs: list[tuple], workers: int):
+    """Yield (index, result) of each job (function, keyword arguments) as it finishes: `workers` at a time in
+    separate processes, each with cpu_count / workers torch threads; one worker (or one job) runs them here, one
+    after another. A job's function gets its progress-bar `position` and `threads`."""
+    workers = min(workers, len(jobs))
+    if workers <= 1:
+        for index, (function, kwargs) in enumerate(jobs):
+            yield index, function(**kwargs)
+        return
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    # spawn: a fresh interpreter per worker (forking a process that holds torch threads is unsafe)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {pool.submit(function, **kwargs, position=index % workers, threads=threads): index
+                   for index, (function, kwargs) in enumerate(jobs)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        # on an error (or an interrupt) the jobs not yet started are dropped; the running ones finish their step
+        # logs, and a finished run left in its work folder is stored when the stage runs again
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bool] | None = None) -> list[dict]:
-    """Run the evaluation `configs` (in order of the returned list), `workers` at a time in separate processes,
-    each with cpu_count / workers torch threads; one worker runs them in this process, one after another.
+    """Run the evaluation `configs` (results in their order), `workers` at a time (`in_pool`).
     `resume[i]`: continue config i's existing run folder from its log."""
-    from tasks.icrl_eval import evaluate
-
     resume = resume or [False] * len(configs)
-    workers = min(workers, len(configs))
-    if workers <= 1:
-        return [evaluate(c, resume=r, progress=True) for c, r in zip(configs, resume)]
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    jobs = [with_overrides(c, {"icrl_eval.threads": c.icrl_eval.threads or threads}).model_dump(mode="json")
-            for c in configs]
-    # spawn: a fresh interpreter per worker (forking a process that holds torch threads is unsafe)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_evaluate_in_worker, job, index % workers, again)
-                   for index, (job, again) in enumerate(zip(jobs, resume))]
-        return [future.result() for future in futures]
+    jobs = [(_evaluate_job, {"config_json": c.model_dump(mode="json"), "resume": r}) for c, r in zip(configs, resume)]
+    results: list = [None] * len(configs)
+    for index, result in in_pool(jobs, workers):
+        results[index] = result
+    return results
 
 
 # Finished runs are kept here by `result_key` and reused while everything they depend on is unchanged (base-model
@@ -287,10 +331,13 @@ def gates(metrics: dict, cfg) -> dict:
     return out
 
 
-def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool) -> tuple[list[dict], int]:
-    """The finished runs of `configs` (each copied into its own run folder) and how many were resumed. A run
-    whose `result_key` is stored is reused (when `reuse`); the others run in their work folders
-    (`work_config`), continuing from the log a killed stage left there; finished runs are then stored."""
+def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool, config: PipelineConfig | None = None,
+                       ability_adapters: tuple = ()) -> tuple[list[dict], int, list[dict]]:
+    """The finished runs of `configs` (each copied into its own run folder), how many were resumed, and the
+    forgetting measurements (`general_ability` of the stage `config`) of each model in `ability_adapters` (None:
+    the base model). A run whose `result_key` is stored is reused (when `reuse`); the others run in their work
+    folders (`work_config`), continuing from the log a killed stage left there. Runs and measurements share one
+    pool (measurements last, so they overlap the longest runs' tails); each finished run is stored at once."""
     import shutil
 
     from tasks.icrl_eval import run_dir_for
@@ -302,21 +349,48 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool)
         return delivered
 
     results: list[dict | None] = [cached_result(c) if reuse else None for c in configs]
-    todo, work, resume = [], [], []
-    for i, config in enumerate(configs):
+    jobs, owners, resumed = [], [], 0
+    for i, run_config in enumerate(configs):
         if results[i] is not None:
             continue
-        work_run = work_config(config)
+        work_run = work_config(run_config)
         work_dir = run_dir_for(work_run.icrl_eval)
         if _finished(work_dir):  # killed after the run finished and before it was stored
             results[i] = keep(i, work_dir)
             continue
-        todo.append(i)
-        work.append(work_run)
-        resume.append((work_dir / "config.json").exists())
-    for i, result in zip(todo, run_evaluations(work, workers, resume)):
-        results[i] = keep(i, Path(result["run_dir"]))
-    return results, sum(resume)
+        again = (work_dir / "config.json").exists()
+        if again:
+            _follow_adapter(work_dir, work_run)
+        resumed += again
+        jobs.append((_evaluate_job, {"config_json": work_run.model_dump(mode="json"), "resume": again}))
+        owners.append(("run", i))
+    abilities: list[dict | None] = [stored_ability(config, a) for a in ability_adapters] if config else []
+    for j, adapter in enumerate(ability_adapters):
+        if abilities[j] is None:
+            jobs.append((_ability_job, {"config_json": config.model_dump(mode="json"),
+                                        "adapter": str(adapter) if adapter else None}))
+            owners.append(("ability", j))
+    for index, result in in_pool(jobs, workers):
+        kind, i = owners[index]
+        if kind == "run":
+            results[i] = keep(i, Path(result["run_dir"]))
+        else:
+            abilities[i] = result
+    return results, resumed, abilities
+
+
+def _follow_adapter(work_dir: Path, work_run: PipelineConfig) -> None:
+    """A run folder named by its `result_key` holds a run of an adapter with these very bytes: if the adapter has
+    moved since, the run's saved config follows it (the harness refuses to resume a run of another adapter path)."""
+    import json
+
+    from icrl_core.io import atomic_write_json
+
+    saved = json.loads((work_dir / "config.json").read_text())
+    now = str(work_run.model.init_adapter) if work_run.model.init_adapter is not None else None
+    if saved.get("model", {}).get("init_adapter") != now:
+        saved["model"]["init_adapter"] = now
+        atomic_write_json(work_dir / "config.json", saved)
 
 
 def run(config: PipelineConfig) -> dict:
@@ -345,7 +419,8 @@ def run(config: PipelineConfig) -> dict:
             for which, adapter_dir in (("base", None), ("trained", adapter))]
     with stage_run(config, STAGE) as tracker:
         configs = [_eval_config(config, *job) for job in jobs]
-        results, resumed = evaluation_results(configs, cfg.workers, cfg.reuse_runs)
+        measured = (None, adapter) if cfg.forgetting_questions or cfg.forgetting_probe_items else ()
+        results, resumed, abilities = evaluation_results(configs, cfg.workers, cfg.reuse_runs, config, measured)
         metrics["runs_reused"] = sum(bool(r.get("cached")) for r in results)
         metrics["runs_resumed"] = resumed
         run_dirs = []
@@ -368,8 +443,8 @@ def run(config: PipelineConfig) -> dict:
             metrics["gain_over_zero_shot"] = (metrics["trained_final_test_accuracy"]
                                               - metrics["trained_zero_shot_final_test_accuracy"])
         report: dict = {"metrics": metrics}
-        if cfg.forgetting_questions or cfg.forgetting_probe_items:
-            base_ability, trained_ability = general_ability(config, None), general_ability(config, adapter)
+        if measured:
+            base_ability, trained_ability = abilities
         if cfg.forgetting_questions:
             base, trained = base_ability["greedy"], trained_ability["greedy"]
             metrics.update(forgetting_base_accuracy=base["accuracy"], forgetting_trained_accuracy=trained["accuracy"],

@@ -103,7 +103,7 @@ def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
         evaluate(work_config(configs[0]), progress=False, on_test=killed)
     except KeyboardInterrupt:
         pass
-    results, resumed = evaluation_results(configs, workers=1, reuse=True)
+    results, resumed, _ = evaluation_results(configs, workers=1, reuse=True)
     assert resumed == 1
     for done, expected in zip(results, reference):
         assert Path(done["run_dir"]).parent == in_tmp / "runs"  # delivered into the stage's own folder
@@ -112,7 +112,7 @@ def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
     assert json.loads(Path(results[0]["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
     # finished runs are stored and their work folders removed; a second stage run reuses them all
     assert not any((in_tmp / ".icrl" / "evaluations" / "partial").iterdir())
-    again, resumed = evaluation_results(configs, workers=1, reuse=True)
+    again, resumed, _ = evaluation_results(configs, workers=1, reuse=True)
     assert resumed == 0 and all(r["cached"] for r in again)
 
 
@@ -160,3 +160,53 @@ def test_forgetting_measurements_are_kept_and_reused(in_tmp, monkeypatch):
         assert "measured again" in str(error)  # reuse_runs false measures again
     else:
         raise AssertionError("reuse_runs=false reused the stored measurement")
+
+
+def test_runs_and_forgetting_measurements_share_one_pool(in_tmp):
+    """Each model's forgetting measurements are pool jobs beside the runs: pooled, they equal what the stage
+    measures in its own process, and they are kept for the next stage run."""
+    import tasks.evaluate as stage
+
+    stage_config = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                                      "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3"],
+                               environ={})
+    configs = _configs(in_tmp / "runs")[1:]  # naive, zero_shot
+    results, resumed, abilities = stage.evaluation_results(configs, workers=2, reuse=True, config=stage_config,
+                                                           ability_adapters=(None,))
+    assert [r["strategy"] for r in results] == ["naive", "zero_shot"] and resumed == 0
+    assert (in_tmp / ".icrl" / "evaluations" / "ability" / f"{stage.ability_key(stage_config, None)}.json").exists()
+    fresh = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                               "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3",
+                               "evaluate.reuse_runs=false"], environ={})
+    assert abilities == [stage.general_ability(fresh, None)]  # measured here again: the same
+    again, _, kept = stage.evaluation_results(configs, workers=2, reuse=True, config=stage_config,
+                                              ability_adapters=(None,))
+    assert all(r["cached"] for r in again) and kept == abilities
+
+
+def test_a_run_resumes_after_its_adapter_moved(in_tmp):
+    """The work folder is named by the adapter's bytes, so a run of a moved (same-bytes) adapter resumes."""
+    import shutil
+
+    from icrl_core.config import with_overrides
+    from icrl_core.model import policy_from_config
+    from tasks.evaluate import evaluation_results, work_config
+    from tasks.icrl_eval import evaluate
+
+    config = _configs(in_tmp / "runs")[1]
+    policy_from_config(config.model).save_adapter(in_tmp / "first")
+    at_first = with_overrides(config, {"model.init_adapter": str(in_tmp / "first")})
+
+    def killed(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    try:
+        evaluate(work_config(at_first), progress=False, on_test=killed)
+    except KeyboardInterrupt:
+        pass
+    shutil.move(in_tmp / "first", in_tmp / "moved")
+    moved = with_overrides(config, {"model.init_adapter": str(in_tmp / "moved")})
+    (done,), resumed, _ = evaluation_results([moved], workers=1, reuse=True)
+    assert resumed == 1
+    assert json.loads(Path(done["run_dir"], "run.json").read_text())["resumed_at_step"] == 3

@@ -757,13 +757,19 @@ def with_overrides(config: PipelineConfig, overrides: Mapping[str, Any]) -> Pipe
     return validate_config(tree)
 
 
+# Keys that were renamed: an old params.yaml gets told the new name instead of only "unknown key".
+RENAMED = {"evaluate.reuse_base_runs": "evaluate.reuse_runs"}
+
+
 def format_validation_error(exc: ValidationError) -> str:
     lines = ["invalid configuration:"]
     for err in exc.errors():
         loc = tuple(err["loc"])
         # drop discriminator tags (e.g. 'lora') from the printed key
         key = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in _TAGS))
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and key in RENAMED:
+            lines.append(f"  {key}: renamed to {RENAMED[key]}")
+        elif err["type"] == "extra_forbidden":
             holder = _holder_of(loc)
             allowed = ", ".join(sorted(holder.model_fields)) if holder else "?"
             lines.append(f"  {key}: unknown key; allowed keys here: {allowed}")

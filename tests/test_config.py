@@ -67,6 +67,7 @@ def test_switching_variant_drops_keys_of_the_old_variant():
         ("model.adapter.kind=qlora", ["model.adapter", "'lora', 'last_blocks', 'none'"]),
         ("icrl_eval.strategy=greedy", ["icrl_eval.strategy", "'naive'", "'explorative'"]),
         ("nosuchsection.x=1", ["nosuchsection: unknown key", "ppo", "bootstrap"]),
+        ("evaluate.reuse_base_runs=true", ["evaluate.reuse_base_runs: renamed to evaluate.reuse_runs"]),
     ],
 )
 def test_errors_name_the_key_and_allowed_values(override, expected):

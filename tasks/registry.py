@@ -5,7 +5,8 @@ model config names the base model spec, so `models:/<name>@champion` loads back 
 (`load_registered_policy`) or a pyfunc that answers prompts.
 
 Promotion: the new version gets the alias `champion` only when its evaluation metric beats the current
-champion's (or there is none); otherwise it gets `challenger`. The metric is stored as a version tag.
+champion's (or there is none); otherwise it gets `challenger`. The metric and the adapter's sha256 are version
+tags: the same adapter bytes with the same measurement are registered once (a rerun keeps its version and alias).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 METRIC_TAG = "icrl.eval_metric"
 METRIC_NAME_TAG = "icrl.eval_metric_name"
+ADAPTER_TAG = "icrl.adapter_sha256"  # the adapter's bytes: the same weights with the same measurement register once
 CHAMPION, CHALLENGER = "champion", "challenger"
 
 # The pyfunc is logged as a model from code (this file is copied into the model), not a pickled object.
@@ -48,6 +50,8 @@ def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, me
     """Log the adapter as a pyfunc model in `run_id` (or a new run) and register it; return the version.
     `evaluation` (the evaluate stage's metrics) goes with it: numbers as metrics of the registering run (so the
     version's source run shows them), everything else as its tags."""
+    from tasks.evaluate import adapter_digest
+
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter.safetensors").exists():
         raise UserError(f"{adapter_dir}: no trained adapter to register (adapter.safetensors missing)")
@@ -68,7 +72,30 @@ def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, me
     client = mlflow.MlflowClient()
     client.set_model_version_tag(config.tracking.registered_model, version, METRIC_TAG, repr(float(metric)))
     client.set_model_version_tag(config.tracking.registered_model, version, METRIC_NAME_TAG, metric_name)
+    client.set_model_version_tag(config.tracking.registered_model, version, ADAPTER_TAG, adapter_digest(adapter_dir))
     return version
+
+
+def registered_version(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str):
+    """The model version already registered with these adapter bytes and this measurement, if any (a rerun of
+    the promote stage, e.g. after a change that altered no result, must not add a copy)."""
+    from tasks.evaluate import adapter_digest
+
+    setup(config.tracking)
+    import mlflow
+
+    digest = adapter_digest(adapter_dir)
+    client = mlflow.MlflowClient()
+    try:
+        versions = client.search_model_versions(f"name='{config.tracking.registered_model}'")
+    except mlflow.exceptions.MlflowException:
+        return None
+    for found in sorted(versions, key=lambda v: int(v.version)):
+        tags = found.tags
+        if (tags.get(ADAPTER_TAG) == digest and tags.get(METRIC_NAME_TAG) == metric_name
+                and tags.get(METRIC_TAG) == repr(float(metric))):
+            return client.get_model_version(config.tracking.registered_model, found.version)
+    return None
 
 
 def champion_metric(config: PipelineConfig) -> float | None:
@@ -127,8 +154,19 @@ def run_promotion(config: PipelineConfig, adapter_dir: Path, metric: float, metr
     metrics file)."""
     from tasks.runtime import write_stage_metrics
 
-    version = register_policy(config, adapter_dir, metric, metric_name, evaluation=evaluation)
-    result = promote(config, version, metric, eligible=eligible).as_dict()
+    existing = registered_version(config, adapter_dir, metric, metric_name)
+    if existing is not None and existing.aliases:
+        # registered and decided before: its alias stands (promoting it against itself would demote a champion)
+        alias = CHAMPION if CHAMPION in existing.aliases else existing.aliases[0]
+        result = Promotion(config.tracking.registered_model, str(existing.version), alias, metric,
+                           champion_metric(config)).as_dict()
+        result["already_registered"] = True
+        log.info("model %s version %s: these adapter bytes with this measurement are registered already (%s)",
+                 config.tracking.registered_model, existing.version, alias)
+    else:
+        version = (str(existing.version) if existing is not None
+                   else register_policy(config, adapter_dir, metric, metric_name, evaluation=evaluation))
+        result = promote(config, version, metric, eligible=eligible).as_dict()
     result["eligible"] = eligible
     result["tracking_uri"] = tracking_uri(config.tracking)
     if output is not None:

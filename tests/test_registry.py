@@ -42,12 +42,18 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
                        evaluation={"accuracy": 0.60, "forgetting_drop": 0.01, "eligible": True, "task": "toy"})
     assert r3["alias"] == CHAMPION and r3["version"] == "3"
     assert (in_tmp / "metrics" / "promote.json").exists()
+    # the promote stage run again on the same adapter bytes and measurement: no copy, the champion stays champion
+    again = run_promotion(config, third, 0.60, "accuracy")
+    assert (again["version"], again["alias"], again["already_registered"]) == ("3", CHAMPION, True)
+    # the same weights measured differently are a new version, judged afresh
+    remeasured = run_promotion(config, third, 0.55, "accuracy")
+    assert remeasured["version"] == "4" and remeasured["alias"] == CHALLENGER
 
     import mlflow
 
     client = mlflow.MlflowClient()
     assert str(client.get_model_version_by_alias("icrl-test", CHAMPION).version) == "3"
-    assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "2"
+    assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "4"  # the latest challenger
     source = client.get_run(client.get_model_version("icrl-test", "3").run_id).data
     assert source.metrics["accuracy"] == 0.60 and source.metrics["forgetting_drop"] == 0.01
     assert source.tags["icrl.eval.eligible"] == "True" and source.tags["icrl.eval.task"] == "toy"

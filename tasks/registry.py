@@ -92,10 +92,37 @@ def registered_version(config: PipelineConfig, adapter_dir: Path, metric: float,
         return None
     for found in sorted(versions, key=lambda v: int(v.version)):
         tags = found.tags
-        if (tags.get(ADAPTER_TAG) == digest and tags.get(METRIC_NAME_TAG) == metric_name
-                and tags.get(METRIC_TAG) == repr(float(metric))):
+        if (tags.get(METRIC_NAME_TAG) == metric_name and tags.get(METRIC_TAG) == repr(float(metric))
+                and _version_digest(client, found) == digest):
             return client.get_model_version(config.tracking.registered_model, found.version)
     return None
+
+
+def _version_digest(client, version) -> str | None:
+    """A registered version's adapter digest: its tag, or, for a version registered before the tag existed, the
+    digest of the adapter it logged (downloaded once, then written as the tag)."""
+    if ADAPTER_TAG in version.tags:
+        return version.tags[ADAPTER_TAG]
+    import tempfile
+
+    import mlflow
+
+    from tasks.evaluate import adapter_digest
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{version.name}/{version.version}", dst_path=tmp))
+        except mlflow.exceptions.MlflowException as error:  # artifacts gone: it cannot be the same adapter
+            log.warning("model %s version %s: its adapter cannot be read (%s)", version.name, version.version,
+                        error)
+            return None
+        weights = sorted(local.rglob("adapter.safetensors"))
+        if not weights:
+            return None
+        digest = adapter_digest(weights[0].parent)
+    client.set_model_version_tag(version.name, version.version, ADAPTER_TAG, digest)
+    return digest
 
 
 def champion_metric(config: PipelineConfig) -> float | None:

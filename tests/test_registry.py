@@ -45,13 +45,22 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
     # the promote stage run again on the same adapter bytes and measurement: no copy, the champion stays champion
     again = run_promotion(config, third, 0.60, "accuracy")
     assert (again["version"], again["alias"], again["already_registered"]) == ("3", CHAMPION, True)
+    # a version registered before versions carried the adapter digest is recognised by its logged adapter (and
+    # tagged on the way)
+    import mlflow
+
+    from tasks.evaluate import adapter_digest
+    from tasks.registry import ADAPTER_TAG
+
+    client = mlflow.MlflowClient()
+    client.delete_model_version_tag("icrl-test", "3", ADAPTER_TAG)
+    untagged = run_promotion(config, third, 0.60, "accuracy")
+    assert (untagged["version"], untagged["alias"], untagged["already_registered"]) == ("3", CHAMPION, True)
+    assert client.get_model_version("icrl-test", "3").tags[ADAPTER_TAG] == adapter_digest(third)
     # the same weights measured differently are a new version, judged afresh
     remeasured = run_promotion(config, third, 0.55, "accuracy")
     assert remeasured["version"] == "4" and remeasured["alias"] == CHALLENGER
 
-    import mlflow
-
-    client = mlflow.MlflowClient()
     assert str(client.get_model_version_by_alias("icrl-test", CHAMPION).version) == "3"
     assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "4"  # the latest challenger
     source = client.get_run(client.get_model_version("icrl-test", "3").run_id).data

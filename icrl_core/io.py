@@ -84,3 +84,9 @@ def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_folder(folder: Path | str) -> str:
+    """The sha256 of a folder's files (names and bytes, not subfolders): rewriting any file changes it."""
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+    return hashlib.sha256("".join(f"{p.name}:{sha256_file(p)};" for p in files).encode()).hexdigest()

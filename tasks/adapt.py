@@ -33,10 +33,11 @@ def start_adapter(config: PipelineConfig) -> Path | None:
     return config.model.init_adapter
 
 
-def adapter_digest(folder: Path | None) -> str | None:
-    from icrl_core.io import sha256_file
+def start_digest(folder: Path | None) -> str | None:
+    """The start adapter's digest (None: a fresh LoRA), to check that adaptation never writes to it."""
+    from icrl_core.io import sha256_folder
 
-    return sha256_file(Path(folder) / "adapter.safetensors") if folder is not None else None
+    return sha256_folder(folder) if folder is not None else None
 
 
 def load_requests(config: PipelineConfig, path: Path | None = None):
@@ -92,7 +93,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     cfg = config.adapt
     requests = load_requests(config)[:cfg.num_requests]
     adapter = start_adapter(config)
-    digest = adapter_digest(adapter)
+    digest = start_digest(adapter)
     policy = load_adapt_policy(config, adapter)
     scorer = adapt_scorer(config)
     indices = shard(list(range(len(requests))))
@@ -115,7 +116,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
             runtime.save_checkpoint(TrainingState(position + 1, {"requests_done": torch.tensor([position + 1])},
                                                   optimizer={}, extra={"results": results}))
     bar.close()
-    if adapter_digest(adapter) != digest:
+    if start_digest(adapter) != digest:
         raise RuntimeError(f"{adapter}: the base adapter changed during adaptation")
     from icrl_core.distributed import mean_metrics
 

@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
         from icrl_core.adapt import adapt_and_answer
         from icrl_core.errors import UserError
         from icrl_core.io import atomic_write_json
-        from tasks.adapt import (adapt_scorer, adapter_digest, load_adapt_policy, load_requests, request_generator,
+        from tasks.adapt import (adapt_scorer, load_adapt_policy, load_requests, request_generator, start_digest,
                                  start_adapter, summarize)
         from tasks.ppo import max_episode_tokens
 
@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
         else:
             chosen = list(enumerate(requests))[:count]
         start = start_adapter(config)
-        digest = adapter_digest(start)
+        digest = start_digest(start)
         policy = load_adapt_policy(config, start)
         scorer = adapt_scorer(config)
         out = console()
@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
                           ", ".join(result["answers_before"]), ", ".join(result["answers_after"]),
                           f"{result['synthetic_reward']:.2f}", str(result["trained_on"]))
         out.print(table)
-        unchanged = adapter_digest(start) == digest
+        unchanged = start_digest(start) == digest
         summary = {**summarize(results), "base_adapter_unchanged": unchanged}
         out.print(f"mean reward before {summary['mean_reward_before']:.3f} -> after "
                   f"{summary['mean_reward_after']:.3f}; base adapter unchanged: {unchanged}")

@@ -217,12 +217,9 @@ _HARNESS_SOURCES = ("icrl_core/icrl_eval.py", "icrl_core/kernels.py", "icrl_core
 
 def adapter_digest(adapter: Path) -> str:
     """The sha256 of an adapter folder's files (names and bytes): retraining into the same folder changes it."""
-    import hashlib
+    from icrl_core.io import sha256_folder
 
-    from icrl_core.io import sha256_file
-
-    files = sorted(p for p in Path(adapter).iterdir() if p.is_file())
-    return hashlib.sha256("".join(f"{p.name}:{sha256_file(p)};" for p in files).encode()).hexdigest()
+    return sha256_folder(adapter)
 
 
 def _model_identity(config: PipelineConfig) -> dict:

@@ -220,6 +220,23 @@ def _combine(local_sums: dict[str, float]) -> dict[str, float]:
 # Bootstrap: masked CE + KL to the base policy
 
 
+def apply_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: float,
+                 sums: dict[str, float], world: int, began: float) -> dict[str, float]:
+    """One optimizer step from accumulated gradients: average them over ranks, clip their global norm to
+    `max_grad_norm`, step optimizer and schedule. Returns the step's metrics: `sums` (scaled by the world size, so
+    their mean over ranks is the global value) averaged over ranks, tokens/s since `began`, the lr the step used and
+    the gradient norm before clipping."""
+    distributed.average_gradients(params)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    metrics = distributed.mean_metrics(sums)
+    metrics["tokens_per_s"] = metrics.pop("tokens") * world / max(time.perf_counter() - began, 1e-9)
+    metrics.update({"lr": lr, "grad_norm": grad_norm})
+    return metrics
+
+
 def bootstrap_micro_step(policy, batch: EpisodeBatch, kl_beta: float, n_tokens: int, scale: float = 1.0,
                          backward: bool = True) -> dict[str, float]:
     """Forward the policy (and, when kl_beta > 0, the reference policy) on one micro-batch; backpropagate
@@ -353,14 +370,7 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
                 out = replay_micro_step(policy, pad_replay(part, pad), replay_cfg.beta, n_reply, scale=world)
                 sums["replay_kl"] = sums.get("replay_kl", 0.0) + out["replay_kl"]
                 sums["tokens"] += sum(len(c.input_ids) for c in part)
-        distributed.average_gradients(params)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        metrics = distributed.mean_metrics(sums)
-        metrics["tokens_per_s"] = metrics.pop("tokens") * world / max(time.perf_counter() - began, 1e-9)
-        metrics.update({"lr": lr, "grad_norm": grad_norm})
+        metrics = apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
         done = step + 1
         if done % cfg.eval_steps == 0 or done == cfg.max_steps:
             if val_rows:
@@ -459,14 +469,7 @@ def train_reward_model(reward_model, train_pairs: Sequence[Pair], val_pairs: Seq
             for key, value in out.items():  # scaled by W: their mean over ranks is the global value
                 sums[key] = sums.get(key, 0.0) + value
             sums["tokens"] += sum(len(p.preferred) + len(p.rejected) for p in part)
-        distributed.average_gradients(params)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        metrics = distributed.mean_metrics(sums)
-        metrics["tokens_per_s"] = metrics.pop("tokens") * world / max(time.perf_counter() - began, 1e-9)
-        metrics.update({"lr": lr, "grad_norm": grad_norm})
+        metrics = apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
         done = step + 1
         if (done % cfg.eval_steps == 0 or done == cfg.max_steps) and val_pairs:
             metrics.update(evaluate_reward_model(reward_model, val_pairs, cfg.batch_size))

@@ -154,6 +154,11 @@ class DataConfig(Section):
     ] = "gold"
     feedback_accuracy: Annotated[float, Field(ge=0, le=1, description="With exemplar_style=feedback: share of "
                                               "past attempts that were correct.")] = 0.5
+    collapsed_history: Annotated[float, Field(ge=0, le=1, description="With exemplar_style=feedback: share of "
+                                              "episodes whose past attempts all give one random label of the "
+                                              "episode, rewarded only where it is the gold label (as a collapsed "
+                                              "naive in-context RL history shows them), so the queries' answers "
+                                              "must not copy it. 0: every attempt follows feedback_accuracy.")] = 0.0
     query_support: Annotated[float, Field(ge=0, le=1, description="Probability that a query gets a support "
                                           "exemplar: one with the same key (keyword_map: the same keyword; other "
                                           "tasks: the same label), so its answer can be inferred from the "

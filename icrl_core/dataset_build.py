@@ -23,7 +23,9 @@ is chosen with probability p (a hard negative: an answer that "copy a label from
 `data.exemplar_style=feedback`: exemplars are past attempts with rewards, correct (reward 1) with probability
 `feedback_accuracy`, otherwise a wrong label (reward 0); `render_episode` writes the feedback after each one
 exactly as the in-context RL harness does ("'X' is the correct answer! Good job!" / "The answer 'X' is wrong!
-You can do better!").
+You can do better!"). With `data.collapsed_history` = p, an episode is instead, with probability p, a collapsed
+history: every attempt gives the same random label of the episode (rewarded where it is the gold label), as the
+context of a naive in-context RL run that has collapsed onto one label looks; its queries keep their gold answers.
 
 Split: an episode is in validation when the first 8 bytes of sha256(episode_id), read as a fraction, are below
 `val_fraction` (stable across runs and across changes to other episodes). Task/synthetic validation episodes
@@ -209,10 +211,15 @@ def make_task_episode(task: ClassificationTask, pool: list[Example], key_index: 
     def wrong_label(gold: str) -> str:
         return rng.choice([lb for lb in labels if lb != gold])
 
+    # a collapsed history: every attempt gives one label (drawn only when enabled, so other builds are unchanged)
+    collapsed = (rng.choice(labels) if data.exemplar_style == "feedback" and data.collapsed_history > 0
+                 and rng.random() < data.collapsed_history else None)
     exemplars = []
     for i in exemplar_idx:
         gold = label(pool[i])
-        if data.exemplar_style == "feedback":
+        if collapsed is not None:
+            exemplars.append(Exemplar(prompt=pool[i].text, answer=collapsed, reward=float(collapsed == gold)))
+        elif data.exemplar_style == "feedback":
             correct = rng.random() < data.feedback_accuracy
             exemplars.append(Exemplar(prompt=pool[i].text, answer=gold if correct else wrong_label(gold),
                                       reward=1.0 if correct else 0.0))
@@ -230,7 +237,7 @@ def make_task_episode(task: ClassificationTask, pool: list[Example], key_index: 
     queries = [Query(prompt=pool[i].text, preferred_answer=label(pool[i]),
                      rejected_answer=rejected_label(label(pool[i]))) for i in query_idx]
     return Episode(episode_id=episode_id, task_type=task.name, exemplars=exemplars, queries=queries,
-                   metadata={"k": k, "n": n})
+                   metadata={"k": k, "n": n} | ({"collapsed_label": collapsed} if collapsed is not None else {}))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -134,6 +134,26 @@ def test_feedback_exemplars_carry_rewards():
     assert 0.6 < sum(rewards) / len(rewards) < 0.8
 
 
+def test_collapsed_history_episodes_repeat_one_label_and_leave_other_builds_unchanged():
+    plain, _ = _build(num_episodes=60, exemplar_style="feedback", feedback_accuracy=0.7, k_exemplars=6)
+    off, _ = _build(num_episodes=60, exemplar_style="feedback", feedback_accuracy=0.7, k_exemplars=6,
+                    collapsed_history=0.0)
+    assert [b.episode for b in off] == [b.episode for b in plain]
+    built, _ = _build(num_episodes=200, exemplar_style="feedback", feedback_accuracy=0.7, k_exemplars=6,
+                      collapsed_history=0.5)
+    gold = {_keyword(e.text): e.label for e in keyword_map(seed=0).train}
+    collapsed = [b.episode for b in built if "collapsed_label" in b.episode.metadata]
+    assert 0.35 < len(collapsed) / len(built) < 0.65
+    for episode in collapsed:
+        label = episode.metadata["collapsed_label"]
+        assert {ex.answer for ex in episode.exemplars} == {label}
+        assert all(ex.reward == float(gold[_keyword(ex.prompt)] == label) for ex in episode.exemplars)
+        assert all(q.preferred_answer == gold[_keyword(q.prompt)] for q in episode.queries)
+    # the other episodes still follow feedback_accuracy
+    rewards = [ex.reward for b in built if "collapsed_label" not in b.episode.metadata for ex in b.episode.exemplars]
+    assert 0.6 < sum(rewards) / len(rewards) < 0.8
+
+
 def test_feedback_episode_renders_like_the_icrl_harness(tokens):
     built, _ = _build(num_episodes=5, exemplar_style="feedback", feedback_accuracy=0.5, k_exemplars=4)
     episode = built[0].episode

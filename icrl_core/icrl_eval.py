@@ -397,6 +397,40 @@ def decode_batch(scorer: TreeScorer, queries: Sequence[Sequence[int]], trie: Lab
     return [Prediction(trie.label_of_leaf[node], prob) for node, prob in zip(current, probs)]
 
 
+def label_distribution(predictor: Predictor, context_ids: Sequence[int], user_open: bool, query: str,
+                       temperature: float = 1.0) -> np.ndarray:
+    """p(label) of every label (shape [labels]) when `query` follows the cached context and is answered by the
+    harness's constrained decoding at `temperature`: the product, along the label's path in the trie, of
+    softmax(logits / T) over the children at each branching node (a node with one child decides nothing).
+    One pass feeds the query and the trie's needed nodes, as decode_batch's expand='trie' does."""
+    trie = predictor.trie
+    query_ids = render_query(predictor.tokens, predictor.template, query, user_open)
+    entry, _ = predictor.cache.prepare(context_ids)
+    with TreeScorer(predictor.policy, entry.cache, len(context_ids)) as scorer:
+        first = len(scorer)
+        nodes = chain_nodes(query_ids, first)
+        placed = {ROOT: first + len(query_ids) - 1}
+        for trie_node in needed_nodes(trie):  # parents come before their children
+            placed[trie_node] = first + len(nodes)
+            nodes.append((trie.token[trie_node], placed[trie.parent[trie_node]]))
+        scorer.extend(nodes)
+        branching = [node for node in placed if len(trie.children[node]) > 1]
+        logits = scorer.candidate_logits([placed[node] for node in branching],
+                                         [[trie.token[k] for k in trie.children[node]] for node in branching])
+    step_prob: dict[int, float] = {}  # trie node -> probability of choosing it at its parent
+    for node, values in zip(branching, logits):
+        for child, p in zip(trie.children[node], child_distribution(values.double().numpy(), temperature)):
+            step_prob[child] = float(p)
+    probs = np.zeros(len(predictor.labels))
+    for leaf, label in trie.label_of_leaf.items():
+        p, node = 1.0, leaf
+        while node != ROOT:
+            p *= step_prob.get(node, 1.0)
+            node = trie.parent[node]
+        probs[label] = p
+    return probs
+
+
 def choose_expand(trie: LabelTrie, expand: str) -> str:
     """'auto': the full trie when it adds at most 32 nodes per query, else token paths."""
     if expand != "auto":

@@ -1,5 +1,5 @@
 """CLI commands of the in-context RL evaluation harness: `icrl eval`, `icrl max-examples`, `icrl count-tokens`,
-`icrl inspect`, `icrl plot`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
+`icrl inspect`, `icrl plot`, `icrl probe-feedback`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
 set any key."""
 
 import json
@@ -237,6 +237,61 @@ def register(app: typer.Typer) -> None:
         if report["windows"]:
             out.print(train)
         out.print(test)
+
+    @app.command("probe-feedback")
+    def probe_feedback_command(
+        target: Annotated[str, typer.Option(help="The label every past attempt in context gives (for trec_coarse "
+                                            "`entity`, the label naive in-context RL collapses onto).",
+                                            show_default=False)],
+        task: Annotated[Optional[str], typer.Option(help="Task (default: icrl_eval.task).",
+                                                    show_default=False)] = None,
+        attempts: Annotated[Optional[list[int]], typer.Option(help="Past attempts in context, repeatable "
+                                                              "(default 1 and 4; n = 0 is always measured).",
+                                                              min=1, show_default=False)] = None,
+        queries: Annotated[int, typer.Option(help="Test queries whose gold label is not --target.", min=1)] = 40,
+        adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to load on the model "
+                                                        "(model.init_adapter). Default: the base model.",
+                                                        show_default=False)] = None,
+        seed: Annotated[Optional[int], typer.Option(help="Seed of the query and past-attempt choice "
+                                                    "(icrl_eval.seed).", show_default=False)] = None,
+        tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
+                                                          show_default=False)] = None,
+        model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec).", show_default=False)] = None,
+        dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype (model.dtype).",
+                                                       show_default=False)] = None,
+        threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (0 = default).", min=0,
+                                                       show_default=False)] = None,
+        output: Annotated[Optional[Path], typer.Option(help="JSON file for the result (written atomically).",
+                                                       show_default=False)] = None,
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+    ) -> None:
+        """Does the model read the reward feedback in its context? For test queries whose gold label is not
+        TARGET, a context of n past attempts all answered TARGET is shown all marked wrong and all marked right;
+        the probe reports p(TARGET) under the harness's constrained decoding (temperature 1) in both, and the
+        feedback effect p(right) - p(wrong). Near 0: the model copies its past answers whatever the feedback
+        says, which is how naive in-context RL collapses onto one label. Minutes, not the hour a naive run
+        takes."""
+        from rich.table import Table
+
+        from tasks.icrl_eval import probe_feedback
+
+        extra = _flag_overrides(task=task, seed=seed, tasks_dir=tasks_dir, model=model, dtype=dtype,
+                                threads=threads)
+        if adapter is not None:
+            extra.setdefault("model", {})["init_adapter"] = str(adapter)
+        config = resolve_config(params, overrides, extra=extra)
+        result = probe_feedback(config, target, attempts or [1, 4], queries, output=output, progress=progress)
+        table = Table("context", f"p({target})", "p(gold)")
+        for name, row in result["conditions"].items():
+            table.add_row(name, f"{row['p_target']:.3f}", f"{row['p_gold']:.3f}")
+        out = console()
+        out.print(table)
+        out.print("feedback effect p(right) - p(wrong): " + ", ".join(
+            f"n={n}: {effect:+.3f}" for n, effect in result["feedback_effect"].items()))
+        if output is not None:
+            out.print(f"wrote {output}")
 
     @app.command("plot")
     def plot_command(

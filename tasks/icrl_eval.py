@@ -393,6 +393,39 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     return {**metrics, "run_dir": str(run_dir)}
 
 
+def probe_feedback(config: PipelineConfig, target: str, counts: Sequence[int], n_queries: int,
+                   output: Path | None = None, progress: bool = True) -> dict:
+    """The feedback-sensitivity probe (icrl_core.feedback_probe) on icrl_eval.task with model.spec (and
+    model.init_adapter if set); the result is written atomically to `output` as JSON when given."""
+    import torch
+
+    from icrl_core.feedback_probe import feedback_sensitivity, probe_examples, probe_size
+    from icrl_core.icrl_eval import Predictor
+    from icrl_core.kernels import PrefixCache
+
+    cfg = config.icrl_eval
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task = load_eval_task(config)
+    probe_examples(task, target, n_queries, cfg.seed)  # a bad target fails before the model loads
+    started = time.perf_counter()
+    policy = load_eval_policy(config)
+    predictor = Predictor(policy, policy.tokens, task.template, task.labels, PrefixCache(policy), 1.0)
+    bar = _progress(probe_size(counts, n_queries), 0, progress, "feedback probe")
+    try:
+        result = feedback_sensitivity(predictor, task, target, counts, n_queries, cfg.seed,
+                                      on_query=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    result.update(model=config.model.spec, dtype=config.model.dtype,
+                  adapter=str(config.model.init_adapter) if config.model.init_adapter else None,
+                  seconds=time.perf_counter() - started)
+    if output is not None:
+        atomic_write_json(output, result)
+    return result
+
+
 def _about(info: dict) -> dict:
     return {k: info.get(k) for k in ("task", "strategy", "max_examples", "model")}
 

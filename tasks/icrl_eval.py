@@ -423,7 +423,34 @@ def probe_feedback(config: PipelineConfig, target: str, counts: Sequence[int], n
                   seconds=time.perf_counter() - started)
     if output is not None:
         atomic_write_json(output, result)
+    _track_probe(config, result, output)
     return result
+
+
+def _track_probe(config: PipelineConfig, result: dict, output: Path | None) -> None:
+    """The probe as an MLflow run: the config and the probe's settings as params, p(target), p(gold) per
+    condition and the feedback effect per n as metrics, the result JSON as an artifact."""
+    import tempfile
+
+    from tasks.tracking import stage_run
+
+    with stage_run(config, "probe_feedback", run_name=f"probe-feedback-{result['task']}-{result['target']}",
+                   tags={"icrl.probe_target": result["target"]}) as tracker:
+        tracker.log_params({"probe.target": result["target"], "probe.queries": result["queries"],
+                            "probe.attempts": ",".join(str(c["attempts"]) for c in result["conditions"].values())})
+        metrics = {f"{key}_{name}": row[key] for name, row in result["conditions"].items()
+                   for key in ("p_target", "p_gold")}
+        metrics |= {f"feedback_effect_n{n}": effect for n, effect in result["feedback_effect"].items()}
+        tracker.log_metrics(metrics)
+        if not tracker.enabled:
+            return
+        if output is not None:
+            tracker.log_artifact(output, artifact_path="probe_feedback")
+            return
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "probe_feedback.json"
+            atomic_write_json(path, result)
+            tracker.log_artifact(path, artifact_path="probe_feedback")
 
 
 def _about(info: dict) -> dict:

@@ -85,6 +85,16 @@ def test_cli_writes_the_probe_and_rejects_a_bad_target(tmp_path):
     assert result["feedback_effect"]["2"] == pytest.approx(
         result["conditions"]["n2_right"]["p_target"] - result["conditions"]["n2_wrong"]["p_target"])
     assert "feedback effect" in out.stdout
+
+    import mlflow  # the probe is an MLflow run too (sqlite store in the working directory)
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(experiment_names=["icrl"], output_format="list")
+    assert run.data.tags["icrl.stage"] == "probe_feedback" and run.data.params["probe.target"] == labels[0]
+    assert run.data.metrics["feedback_effect_n2"] == pytest.approx(result["feedback_effect"]["2"])
+    assert run.data.metrics["p_target_n0"] == pytest.approx(result["conditions"]["n0"]["p_target"])
+    artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "probe_feedback")]
+    assert artifacts == ["probe_feedback/probe.json"]
     bad = run_cli("probe-feedback", "--model", "tiny", "--task", "keyword_map", "--target", "nope",
                   "--no-progress", cwd=tmp_path)
     assert bad.returncode == 2 and "not a label" in bad.stderr

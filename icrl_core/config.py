@@ -520,6 +520,18 @@ class EvaluateConfig(Section):
                                                  "models answer: the forgetting measure fine enough to resolve "
                                                  "2 points (0 = skip). Promotion then also requires its change, "
                                                  "either way, to stay within max_forgetting.")] = 0
+    feedback_probe_target: Annotated[str | None, Field(description="A label of icrl_eval.task: also measure "
+                                                       "whether each model reads reward feedback (`icrl "
+                                                       "probe-feedback`): p(label) after past attempts all "
+                                                       "answered it, marked wrong vs marked right, on test "
+                                                       "queries whose gold is another label. Reported as "
+                                                       "feedback_effect_n<N>_<base|trained>, not a promotion "
+                                                       "gate (null = skip).")] = None
+    feedback_probe_attempts: Annotated[list[Annotated[int, Field(ge=1, le=64)]],
+                                       Field(min_length=1, description="Past attempts in the feedback probe's "
+                                             "contexts, one pair of conditions per value.")] = [1, 4]
+    feedback_probe_queries: Annotated[int, Field(ge=1, le=500, description="Test queries the feedback probe "
+                                                 "scores per condition.")] = 40
     metric: Annotated[str, Field(description="Key of metrics/evaluate.json that decides promotion (higher is "
                                  "better).")] = "trained_final_test_accuracy"
     max_forgetting: Annotated[float, Field(ge=0, le=1, description="Promotion also requires the general-ability "

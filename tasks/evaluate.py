@@ -4,7 +4,9 @@ For each strategy in `evaluate.strategies`, the in-context RL harness (tasks/icr
 settings) runs twice on the same seeds: the base model, and the base model with the trained adapter
 (`evaluate.adapter`). The forgetting check (icrl_core/general_ability.py) asks both models the first
 `evaluate.forgetting_questions` general questions, and the multiple-choice probe (icrl_core/choice_probe.py)
-scores `evaluate.forgetting_probe_items` items. Runs and each model's measurements are jobs of one pool,
+scores `evaluate.forgetting_probe_items` items; with `evaluate.feedback_probe_target` set, the feedback probe
+(`icrl probe-feedback`) asks both models whether they read reward feedback. Runs and each model's measurements are
+jobs of one pool,
 `evaluate.workers` at a time, each in its own process.
 Runs are computed in work folders under .icrl/evaluations/ (DVC deletes the stage's outs before it runs), so a
 stage killed mid-run continues each run from its log; finished runs and forgetting measurements are kept there by
@@ -74,10 +76,25 @@ def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
     """A hash of what one model's forgetting measurements depend on: the model (a trained adapter by its bytes),
     the measurements' settings and their source code."""
     cfg = config.evaluate
-    return _digest({"model": _model_identity(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
-                                                                     else None})),
-                    "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
-                    "probe": cfg.forgetting_probe_items}, _ABILITY_SOURCES)
+    payload = {"model": _model_identity(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
+                                                                else None})),
+               "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
+               "probe": cfg.forgetting_probe_items}
+    feedback = _feedback_probe_settings(config)
+    if feedback is None:  # keys made before the feedback probe existed stay valid
+        return _digest(payload, _ABILITY_SOURCES)
+    return _digest(payload | {"feedback": feedback}, _ABILITY_SOURCES + _FEEDBACK_SOURCES)
+
+
+def _feedback_probe_settings(config: PipelineConfig) -> dict | None:
+    cfg = config.evaluate
+    if cfg.feedback_probe_target is None:
+        return None
+    task = config.icrl_eval
+    return {"task": [task.task, task.task_seed if task.task_seed is not None else config.seed, task.source,
+                     str(task.disk_path), str(Path(config.data.tasks_dir).resolve())],
+            "seed": task.seed, "target": cfg.feedback_probe_target, "attempts": cfg.feedback_probe_attempts,
+            "queries": cfg.feedback_probe_queries}
 
 
 def stored_ability(config: PipelineConfig, adapter: Path | None) -> dict | None:
@@ -91,11 +108,13 @@ def stored_ability(config: PipelineConfig, adapter: Path | None) -> dict | None:
 
 
 def general_ability(config: PipelineConfig, adapter: Path | None, position: int = 0) -> dict:
-    """Both forgetting measures that are switched on, for one model loaded once. Kept under `ability_key` (a
-    stage killed after measuring one model does not measure it again) and reused when `evaluate.reuse_runs`."""
+    """The forgetting measures and the feedback probe that are switched on, for one model loaded once. Kept under
+    `ability_key` (a stage killed after measuring one model does not measure it again) and reused when
+    `evaluate.reuse_runs`."""
     import json
 
     from icrl_core.io import atomic_write_json
+    from tasks.icrl_eval import measure_feedback
 
     stored = stored_ability(config, adapter)
     if stored is not None:
@@ -106,7 +125,12 @@ def general_ability(config: PipelineConfig, adapter: Path | None, position: int 
     result = {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens, name, position)
                          if cfg.forgetting_questions else None),
               "probe": (forgetting_probe(policy, cfg.forgetting_probe_items, name, position)
-                        if cfg.forgetting_probe_items else None)}
+                        if cfg.forgetting_probe_items else None),
+              "feedback": (measure_feedback(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
+                                                                    else None}),
+                                            policy, cfg.feedback_probe_target, cfg.feedback_probe_attempts,
+                                            cfg.feedback_probe_queries, name=name, position=position)
+                           if cfg.feedback_probe_target is not None else None)}
     target = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(target, result)
@@ -133,6 +157,17 @@ def forgetting_probe_metrics(base: dict, trained: dict) -> dict:
             "forgetting_probe_ci95_low": paired.ci95_low, "forgetting_probe_ci95_high": paired.ci95_high,
             "forgetting_probe_became_correct": paired.became_correct,
             "forgetting_probe_became_wrong": paired.became_wrong, "forgetting_probe_mcnemar_p": paired.mcnemar_p}
+
+
+def feedback_probe_metrics(feedback: dict) -> dict:
+    """Flat metrics of both models' feedback probes: p(target) per condition and the feedback effect per n
+    (p(target | marked right) - p(target | marked wrong); a model that reads the feedback has it well above 0)."""
+    metrics = {}
+    for which, result in feedback.items():
+        metrics |= {f"feedback_p_target_{name}_{which}": row["p_target"]
+                    for name, row in result["conditions"].items()}
+        metrics |= {f"feedback_effect_n{n}_{which}": effect for n, effect in result["feedback_effect"].items()}
+    return metrics
 
 
 def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[dict]) -> dict:
@@ -211,6 +246,8 @@ def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bo
 RESULT_CACHE = Path(".icrl") / "evaluations"
 _ABILITY_SOURCES = ("icrl_core/general_ability.py", "icrl_core/choice_probe.py", "icrl_core/generation.py",
                     "icrl_core/chat.py", "icrl_core/kernels.py", "icrl_core/model.py")
+_FEEDBACK_SOURCES = ("icrl_core/feedback_probe.py", "icrl_core/icrl_eval.py", "icrl_core/prompting.py",
+                     "icrl_core/task_data.py", "tasks/icrl_eval.py")
 _HARNESS_SOURCES = ("icrl_core/icrl_eval.py", "icrl_core/kernels.py", "icrl_core/chat.py", "icrl_core/prompting.py",
                     "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py")
 
@@ -402,6 +439,12 @@ def run(config: PipelineConfig) -> dict:
     adapter = Path(cfg.adapter)
     if not (adapter / "adapter.safetensors").exists():
         raise UserError(f"evaluate.adapter {adapter}: no trained adapter (run the ppo stage first)")
+    if cfg.feedback_probe_target is not None:  # a label the task lacks fails now, not after the runs
+        from icrl_core.feedback_probe import probe_examples
+        from tasks.icrl_eval import load_eval_task
+
+        probe_examples(load_eval_task(config), cfg.feedback_probe_target, cfg.feedback_probe_queries,
+                       config.icrl_eval.seed)
     out = Path(cfg.output_dir)
     shutil.rmtree(out / "runs", ignore_errors=True)  # refilled from the finished runs (evaluation_results)
     shutil.rmtree(out / "adapter", ignore_errors=True)
@@ -416,7 +459,8 @@ def run(config: PipelineConfig) -> dict:
             for which, adapter_dir in (("base", None), ("trained", adapter))]
     with stage_run(config, STAGE) as tracker:
         configs = [_eval_config(config, *job) for job in jobs]
-        measured = (None, adapter) if cfg.forgetting_questions or cfg.forgetting_probe_items else ()
+        measured = ((None, adapter) if cfg.forgetting_questions or cfg.forgetting_probe_items
+                    or cfg.feedback_probe_target is not None else ())
         results, resumed, abilities = evaluation_results(configs, cfg.workers, cfg.reuse_runs, config, measured)
         metrics["runs_reused"] = sum(bool(r.get("cached")) for r in results)
         metrics["runs_resumed"] = resumed
@@ -453,6 +497,10 @@ def run(config: PipelineConfig) -> dict:
             base, trained = base_ability["probe"], trained_ability["probe"]
             metrics.update(forgetting_probe_metrics(base, trained))
             report["forgetting_probe"] = {"base": base, "trained": trained}
+        if cfg.feedback_probe_target is not None:
+            feedback = {"base": base_ability["feedback"], "trained": trained_ability["feedback"]}
+            metrics.update(feedback_probe_metrics(feedback))
+            report["feedback_probe"] = feedback
         metrics.update(gates(metrics, cfg))
         metrics["seconds"] = round(time.perf_counter() - started, 1)
         atomic_write_json(out / "report.json", report)

@@ -399,31 +399,41 @@ def probe_feedback(config: PipelineConfig, target: str, counts: Sequence[int], n
     model.init_adapter if set); the result is written atomically to `output` as JSON when given."""
     import torch
 
-    from icrl_core.feedback_probe import feedback_sensitivity, probe_examples, probe_size
-    from icrl_core.icrl_eval import Predictor
-    from icrl_core.kernels import PrefixCache
+    from icrl_core.feedback_probe import probe_examples
 
     cfg = config.icrl_eval
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    task = load_eval_task(config)
-    probe_examples(task, target, n_queries, cfg.seed)  # a bad target fails before the model loads
+    probe_examples(load_eval_task(config), target, n_queries, cfg.seed)  # a bad target fails before the model loads
     started = time.perf_counter()
-    policy = load_eval_policy(config)
+    result = measure_feedback(config, load_eval_policy(config), target, counts, n_queries, progress)
+    result["seconds"] = time.perf_counter() - started
+    if output is not None:
+        atomic_write_json(output, result)
+    _track_probe(config, result, output)
+    return result
+
+
+def measure_feedback(config: PipelineConfig, policy, target: str, counts: Sequence[int], n_queries: int,
+                     progress: bool = True, name: str = "", position: int = 0) -> dict:
+    """The feedback probe for a loaded policy on icrl_eval.task (shared by `icrl probe-feedback` and the
+    evaluate stage), with the model it measured."""
+    from icrl_core.feedback_probe import feedback_sensitivity, probe_size
+    from icrl_core.icrl_eval import Predictor
+    from icrl_core.kernels import PrefixCache
+
+    task = load_eval_task(config)
     predictor = Predictor(policy, policy.tokens, task.template, task.labels, PrefixCache(policy), 1.0)
-    bar = _progress(probe_size(counts, n_queries), 0, progress, "feedback probe")
+    bar = _progress(probe_size(counts, n_queries), 0, progress,
+                    f"feedback probe ({name})" if name else "feedback probe", position)
     try:
-        result = feedback_sensitivity(predictor, task, target, counts, n_queries, cfg.seed,
+        result = feedback_sensitivity(predictor, task, target, counts, n_queries, config.icrl_eval.seed,
                                       on_query=bar.update if bar else None)
     finally:
         if bar:
             bar.close()
     result.update(model=config.model.spec, dtype=config.model.dtype,
-                  adapter=str(config.model.init_adapter) if config.model.init_adapter else None,
-                  seconds=time.perf_counter() - started)
-    if output is not None:
-        atomic_write_json(output, result)
-    _track_probe(config, result, output)
+                  adapter=str(config.model.init_adapter) if config.model.init_adapter else None)
     return result
 
 

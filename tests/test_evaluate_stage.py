@@ -210,3 +210,19 @@ def test_a_run_resumes_after_its_adapter_moved(in_tmp):
     (done,), resumed, _ = evaluation_results([moved], workers=1, reuse=True)
     assert resumed == 1
     assert json.loads(Path(done["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
+
+
+def test_a_feedback_probe_label_the_task_lacks_fails_before_any_run(in_tmp):
+    import pytest
+
+    import tasks.evaluate as stage
+    from icrl_core.errors import UserError
+    from icrl_core.model import policy_from_config
+
+    config = load_config(None, ["model.spec=tiny", "tracking.enabled=false", "icrl_eval.task=keyword_map",
+                                f"evaluate.adapter={in_tmp / 'adapter'}", "evaluate.feedback_probe_target=entity"],
+                         environ={})
+    policy_from_config(config.model).save_adapter(in_tmp / "adapter")
+    with pytest.raises(UserError, match="'entity' is not a label of task 'keyword_map'"):
+        stage.run(config)
+    assert not (in_tmp / ".icrl" / "evaluations").exists()  # no run started

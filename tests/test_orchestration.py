@@ -45,6 +45,8 @@ TINY_PIPELINE = {
     "icrl_eval.train_k": 6, "icrl_eval.test_every": 3, "icrl_eval.test_k": 4,
     "evaluate.forgetting_questions": 5,
     "evaluate.forgetting_probe_items": 6,
+    "evaluate.feedback_probe_target": "brom",  # a label of keyword_map at seed 0
+    "evaluate.feedback_probe_queries": 3,
     "evaluate.max_forgetting": 1.0,  # a random tiny model's answers are noise; the gates have their own unit test
     "evaluate.min_gain": -1.0,  # random tiny models gain nothing; the test is about the orchestration
     "evaluate.adapter_scale": 0.5,  # the evaluated and registered weights are halfway to the base model
@@ -146,6 +148,16 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     probe_flips = evaluated["forgetting_probe_became_correct"] - evaluated["forgetting_probe_became_wrong"]
     assert probe_flips / 6 == pytest.approx(evaluated["forgetting_probe_trained_accuracy"]
                                             - evaluated["forgetting_probe_base_accuracy"])
+    # ... and the feedback probe asked both models: p(target) after attempts marked wrong vs right
+    report = json.loads((project / "artifacts" / "evaluate" / "report.json").read_text())
+    for which, adapter in (("base", None), ("trained", "artifacts/evaluate/adapter")):
+        probe = report["feedback_probe"][which]
+        assert probe["target"] == "brom" and probe["queries"] == 3 and probe["adapter"] == adapter
+        conditions = probe["conditions"]
+        assert set(conditions) == {"n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right"}
+        assert evaluated[f"feedback_effect_n4_{which}"] == pytest.approx(
+            conditions["n4_right"]["p_target"] - conditions["n4_wrong"]["p_target"])
+        assert 0 < evaluated[f"feedback_p_target_n0_{which}"] < 1
     promoted = json.loads((project / "metrics" / "promote.json").read_text())
     assert promoted["alias"] == "champion", promoted
     import mlflow

@@ -76,3 +76,24 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def own_ray_train_workers() -> list:
+    """Ray Train worker processes of this test process's own local Ray (its descendants): fault-injection tests
+    kill these, never another job's workers on the same machine."""
+    import psutil
+
+    me = os.getpid()
+    return [proc for proc in psutil.process_iter(["pid", "cmdline"])
+            if "RayTrainWorker" in " ".join(proc.info["cmdline"] or [])
+            and any(parent.pid == me for parent in _parents(proc))]
+
+
+def _parents(proc) -> list:
+    import psutil
+
+    try:
+        return proc.parents()
+    except psutil.Error:  # exited meanwhile
+        return []
+

@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from tests.conftest import ROOT, TASKS_DIR
+from tests.conftest import ROOT, TASKS_DIR, own_ray_train_workers
 
 pytestmark = pytest.mark.integration
 
@@ -256,11 +255,10 @@ def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monk
         while time.time() < deadline and not killed:
             latest = latest_checkpoint(folder)
             if latest is not None and latest.name >= "step-00000002":
-                for proc in psutil.process_iter(["pid", "cmdline"]):
-                    if "RayTrainWorker" in " ".join(proc.info["cmdline"] or []):
-                        proc.kill()
-                        killed.append(proc.info["pid"])
-                        return
+                for proc in own_ray_train_workers():
+                    proc.kill()
+                    killed.append(proc.info["pid"])
+                    return
             time.sleep(0.1)
 
     watcher = threading.Thread(target=kill_one_worker_after_a_checkpoint)

@@ -13,6 +13,7 @@ import pytest
 from icrl_core.checkpoint import latest_checkpoint
 from icrl_core.config import load_config
 from tasks.runtime import checkpoint_dir_for, launch
+from tests.conftest import own_ray_train_workers
 from tests.support.toy_stage import train_worker
 
 pytestmark = pytest.mark.integration
@@ -58,11 +59,10 @@ def test_a_killed_worker_is_replaced_and_resumes_from_the_checkpoint(ray_session
         while time.time() < deadline and not killed:
             latest = latest_checkpoint(folder)
             if latest is not None and latest.name >= "step-00000005":
-                for proc in psutil.process_iter(["pid", "cmdline"]):
-                    if "RayTrainWorker" in " ".join(proc.info["cmdline"] or []):
-                        proc.kill()
-                        killed.append(proc.info["pid"])
-                        return
+                for proc in own_ray_train_workers():
+                    proc.kill()
+                    killed.append(proc.info["pid"])
+                    return
             time.sleep(0.1)
 
     watcher = threading.Thread(target=kill_one_worker_after_first_checkpoint)

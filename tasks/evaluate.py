@@ -42,10 +42,15 @@ def _eval_config(config: PipelineConfig, strategy: str, which: str, adapter: Pat
     return with_overrides(config, overrides)
 
 
+def _with_adapter(config: PipelineConfig, adapter: Path | None) -> PipelineConfig:
+    """`config` for one evaluated model: the base model (None) or the base model with `adapter`."""
+    return with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None})
+
+
 def _policy(config: PipelineConfig, adapter: Path | None):
     from tasks.icrl_eval import load_eval_policy
 
-    return load_eval_policy(with_overrides(config, {"model.init_adapter": str(adapter) if adapter else None}))
+    return load_eval_policy(_with_adapter(config, adapter))
 
 
 def forgetting(policy, n: int, max_new_tokens: int, name: str = "model", position: int = 0) -> dict:
@@ -76,8 +81,7 @@ def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
     """A hash of what one model's forgetting measurements depend on: the model (a trained adapter by its bytes),
     the measurements' settings and their source code."""
     cfg = config.evaluate
-    payload = {"model": _model_identity(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
-                                                                else None})),
+    payload = {"model": _model_identity(_with_adapter(config, adapter)),
                "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
                "probe": cfg.forgetting_probe_items}
     feedback = _feedback_probe_settings(config)
@@ -126,9 +130,8 @@ def general_ability(config: PipelineConfig, adapter: Path | None, position: int 
                          if cfg.forgetting_questions else None),
               "probe": (forgetting_probe(policy, cfg.forgetting_probe_items, name, position)
                         if cfg.forgetting_probe_items else None),
-              "feedback": (measure_feedback(with_overrides(config, {"model.init_adapter": str(adapter) if adapter
-                                                                    else None}),
-                                            policy, cfg.feedback_probe_target, cfg.feedback_probe_attempts,
+              "feedback": (measure_feedback(_with_adapter(config, adapter), policy, cfg.feedback_probe_target,
+                                            cfg.feedback_probe_attempts,
                                             cfg.feedback_probe_queries, name=name, position=position)
                            if cfg.feedback_probe_target is not None else None)}
     target = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"

@@ -96,4 +96,3 @@ def _parents(proc) -> list:
         return proc.parents()
     except psutil.Error:  # exited meanwhile
         return []
-

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         """Run the training pipeline as a Prefect flow: each stage is a task that runs `dvc repro` of that
         stage (so unchanged stages are skipped), training stages run as Ray Train jobs, and everything is
         logged to MLflow under one pipeline run, ending with a registered, promoted model version."""
-        from icrl_core.config import parse_value
+        from tasks.settings import parse_value
         from icrl_core.errors import ConfigError
 
         flat = {}
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         """Register the adapter as a new MLflow model version; give it the alias `champion` only if its
         evaluate.metric beats the current champion's and it passed the forgetting check, else `challenger`.
         Writes metrics/promote.json."""
-        from icrl_core.config import with_overrides
+        from tasks.settings import with_overrides
         from tasks.promote import run
 
         config = resolve_config(params, overrides)

@@ -77,7 +77,7 @@ def apply_overrides(overrides: dict[str, Any], params_file: str = PARAMS_FILE) -
     `dvc exp run --set-param` does: DVC then sees the new values and reruns exactly what depends on them."""
     from ruamel.yaml import YAML
 
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
 
     load_config(params_file, [f"{k}={json.dumps(v)}" for k, v in overrides.items()], environ={})  # fail fast
     yaml = YAML()
@@ -107,7 +107,7 @@ def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | N
 
     overrides: dotted config keys written into params.yaml first, e.g. {"ppo.kl_beta": 0.02}.
     stages: run only these stages (in pipeline order); default all."""
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
     from tasks.tracking import PARENT_RUN_ENV, pipeline_run
 
     logger = get_run_logger()

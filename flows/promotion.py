@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 def promote_task(adapter_dir: str, metric: float, metric_name: str) -> dict:
     from pathlib import Path
 
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
     from tasks.registry import run_promotion
 
     return run_promotion(load_config("params.yaml", []), Path(adapter_dir), metric, metric_name, output=None)

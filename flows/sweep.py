@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 @task(name="ray-tune-sweep", cache_policy=NO_CACHE)
 def sweep_task(overrides: dict[str, Any]) -> dict:
-    from icrl_core.config import load_config, with_overrides
+    from tasks.settings import load_config, with_overrides
     from tasks.sweep import run_sweep
 
     config = with_overrides(load_config("params.yaml", []), overrides)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "adapt"

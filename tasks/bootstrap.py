@@ -13,7 +13,7 @@ import io
 import time
 from pathlib import Path
 
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 
 STAGE = "bootstrap"
 

@@ -105,13 +105,10 @@ def config_docs(
     output: Annotated[Optional[Path], typer.Option(help="Write the Markdown here instead of stdout.")] = None,
 ) -> None:
     """Print every config key with its default and description (Markdown), generated from the schema."""
-    from icrl_core.config import describe_fields
     from icrl_core.io import atomic_write_text
+    from tasks.settings import config_reference
 
-    lines = ["| key | default | description |", "|---|---|---|"]
-    for key, default, description in describe_fields():
-        lines.append(f"| `{key}` | `{default}` | {description.replace('|', '/')} |")
-    text = "\n".join(lines) + "\n"
+    text = config_reference()
     if output:
         atomic_write_text(output, text)
     else:

@@ -20,7 +20,7 @@ SetOpt = Annotated[
 
 
 def resolve_config(params: Optional[Path], overrides: Optional[list[str]], extra: dict | None = None):
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
 
     if params is None and DEFAULT_PARAMS.exists():
         params = DEFAULT_PARAMS

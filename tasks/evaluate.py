@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from icrl_core.config import PipelineConfig, with_overrides
+from tasks.settings import PipelineConfig, with_overrides
 from icrl_core.errors import UserError
 
 STAGE = "evaluate"
@@ -185,7 +185,7 @@ def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[di
 
 def _evaluate_job(config_json: dict, resume: bool, position: int = 0, threads: int = 0) -> dict:
     """One evaluation run (the config travels as JSON and is validated again); `threads` torch threads (0: as is)."""
-    from icrl_core.config import PipelineConfig as Config
+    from tasks.settings import PipelineConfig as Config
     from tasks.icrl_eval import evaluate
 
     config = Config.model_validate(config_json)
@@ -196,7 +196,7 @@ def _evaluate_job(config_json: dict, resume: bool, position: int = 0, threads: i
 
 def _ability_job(config_json: dict, adapter: str | None, position: int = 0, threads: int = 0) -> dict:
     """One model's forgetting measurements (`general_ability`), with `threads` torch threads (0: as is)."""
-    from icrl_core.config import PipelineConfig as Config
+    from tasks.settings import PipelineConfig as Config
 
     if threads:
         import torch

@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from icrl_core.config import EvalConfig, FrozenAdapter, PipelineConfig
+from icrl_core.config import EvalConfig, FrozenAdapter
+from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json, atomic_write_text
 

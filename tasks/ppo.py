@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "ppo"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "promote"

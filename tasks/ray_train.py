@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
-from icrl_core.config import PipelineConfig, RayConfig
+from tasks.settings import PipelineConfig, RayConfig
 from tasks.env import DEFAULTS as ENV_DEFAULTS
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from tasks.tracking import setup, tracking_uri
 

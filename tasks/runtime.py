@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 from icrl_core.io import atomic_write_json
 
 log = logging.getLogger(__name__)

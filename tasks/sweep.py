@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from icrl_core.checkpoint import TrainingState
-from icrl_core.config import Choice, LogUniform, PipelineConfig, Uniform, with_overrides
+from tasks.settings import Choice, LogUniform, PipelineConfig, Uniform, with_overrides
 from icrl_core.io import atomic_write_json
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from icrl_core.config import PipelineConfig
+from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "tokenize"

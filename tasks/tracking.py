@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from icrl_core.config import PipelineConfig, TrackingConfig, config_to_flat_params
+from tasks.settings import PipelineConfig, TrackingConfig, config_to_flat_params
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from icrl_core.adapt import adapt_and_answer, best_rollouts, leave_one_out
-from icrl_core.config import AdaptConfig, LoraAdapter, ModelConfig, ModelReward, load_config
+from icrl_core.config import AdaptConfig, LoraAdapter, ModelConfig, ModelReward
+from tasks.settings import load_config
 from icrl_core.episodes import Episode, Exemplar, Query
 from icrl_core.ppo import trainable_tensors
 from tests.ppo_helpers import write_keyword_dataset

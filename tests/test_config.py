@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from icrl_core.config import (AdaptiveKL, ConfigError, LastBlocksAdapter, PipelineConfig, config_to_flat_params,
-                              describe_fields, load_config, with_overrides)
+from icrl_core.config import AdaptiveKL, LastBlocksAdapter
+from tasks.settings import (ConfigError, PipelineConfig, config_to_flat_params, describe_fields, load_config,
+                            with_overrides)
 from tests.conftest import ROOT, run_cli
 
 
@@ -145,7 +146,7 @@ def test_every_cli_command_documents_every_option():
 
 
 def test_process_variables_with_the_prefix_are_not_config_keys():
-    from icrl_core.config import env_overrides
+    from tasks.settings import env_overrides
 
     environ = {"ICRL_MLFLOW_PARENT_RUN_ID": "abc", "ICRL_PROJECT_DIR": "/x", "ICRL_SEED": "7",
                "ICRL_PPO__KL_BETA": "0.5"}
@@ -154,7 +155,7 @@ def test_process_variables_with_the_prefix_are_not_config_keys():
 
 def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_path):
     from flows.cli import read_experiment
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
     from icrl_core.errors import ConfigError
 
     overrides = read_experiment(Path(__file__).resolve().parents[1] / "experiments" / "icrl_skill.yaml")

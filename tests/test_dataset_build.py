@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from icrl_core.config import FileSource, SyntheticSource, TaskSource, load_config
+from icrl_core.config import FileSource, SyntheticSource, TaskSource
+from tasks.settings import load_config
 from icrl_core.dataset_build import (allocate, apply_budget, build_episodes, dataset_card, label_log_likelihoods,
                                      model_rejected_answers, policy_predictor, resolve_sources, split_of,
                                      support_key)

@@ -45,6 +45,6 @@ def test_compose_services_and_loopback_ports():
     env = compose["x-icrl"]["environment"]
     assert env["ICRL_RAY__ADDRESS"] == "ray-head:6379"
     # every ICRL_* variable must be a valid config override
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
 
     load_config(None, [], environ={k: str(v) for k, v in env.items() if k.startswith("ICRL_")})

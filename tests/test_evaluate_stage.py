@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from icrl_core.config import EvaluateConfig, load_config
+from icrl_core.config import EvaluateConfig
+from tasks.settings import load_config
 from tasks.evaluate import _eval_config, gates, run_evaluations
 
 
@@ -66,7 +67,7 @@ def test_promotion_gates():
 
 
 def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_tmp):
-    from icrl_core.config import with_overrides
+    from tasks.settings import with_overrides
     from tasks.evaluate import cached_result, result_key, store_result
     from tasks.icrl_eval import evaluate
 
@@ -119,7 +120,7 @@ def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
 def test_a_trained_adapter_is_known_by_its_bytes_not_its_path(in_tmp):
     import shutil
 
-    from icrl_core.config import with_overrides
+    from tasks.settings import with_overrides
     from icrl_core.model import policy_from_config
     from tasks.evaluate import result_key
 
@@ -188,7 +189,7 @@ def test_a_run_resumes_after_its_adapter_moved(in_tmp):
     """The work folder is named by the adapter's bytes, so a run of a moved (same-bytes) adapter resumes."""
     import shutil
 
-    from icrl_core.config import with_overrides
+    from tasks.settings import with_overrides
     from icrl_core.model import policy_from_config
     from tasks.evaluate import evaluation_results, work_config
     from tasks.icrl_eval import evaluate

@@ -130,7 +130,7 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     messages = "\n".join(entry["message"] for entry in logs)
     assert "Running stage 'ppo'" in messages and "icrl stage ppo" in messages
     # the parameter reached params.yaml (so DVC saw it) ...
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
 
     assert load_config(project / "params.yaml", [], environ={}).ppo.kl_beta == 0.05
     # ... every stage wrote its metrics, and the final policy was registered and promoted
@@ -240,7 +240,7 @@ def ray_folder(tmp_path_factory):
 
 def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monkeypatch):
     from icrl_core.checkpoint import latest_checkpoint
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
     from tasks.ppo import run
     from tasks.runtime import checkpoint_dir_for
 
@@ -274,7 +274,7 @@ def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monk
 def test_tune_sweep_of_four_ppo_trials_logs_four_mlflow_child_runs(ray_folder):
     import mlflow
 
-    from icrl_core.config import load_config
+    from tasks.settings import load_config
     from tasks.sweep import run_sweep
 
     store = f"sqlite:///{ray_folder / 'sweep-mlflow.db'}"

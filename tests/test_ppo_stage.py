@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from icrl_core.config import load_config
+from tasks.settings import load_config
 from tests.conftest import ROOT, run_cli
 from tests.ppo_helpers import write_keyword_dataset
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from icrl_core.checkpoint import latest_checkpoint
-from icrl_core.config import load_config
+from tasks.settings import load_config
 from tasks.runtime import checkpoint_dir_for, launch
 from tests.conftest import own_ray_train_workers
 from tests.support.toy_stage import train_worker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icrl_core.config import load_config
+from tasks.settings import load_config
 from icrl_core.model import load_policy
 from tasks.registry import CHALLENGER, CHAMPION, load_registered_policy, run_promotion
 

@@ -135,7 +135,7 @@ def test_replay_kl_is_zero_for_the_base_and_positive_after_a_change(tiny):
 def test_bootstrap_stage_samples_replay_chats_once_and_reuses_them(tmp_path):
     """tasks/bootstrap.replay_chats: training texts of the replay tasks become chats, written to the stage's
     output folder with the settings' key; a rerun reads them back, changed settings sample again."""
-    from icrl_core.config import PipelineConfig, with_overrides
+    from tasks.settings import PipelineConfig, with_overrides
     from tasks.bootstrap import replay_chats
     from tests.conftest import TASKS_DIR
 

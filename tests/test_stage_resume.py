@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from icrl_core.config import load_config
+from tasks.settings import load_config
 from tests.conftest import run_cli
 from tests.stage_helpers import stage_args
 
@@ -104,7 +104,7 @@ def test_checkpoint_keys_follow_the_dvc_pipeline():
 
 
 def test_checkpoint_key_changes_only_with_what_the_stage_depends_on():
-    from icrl_core.config import PipelineConfig, with_overrides
+    from tasks.settings import PipelineConfig, with_overrides
     from tasks.runtime import checkpoint_dir_for
 
     base = PipelineConfig()

@@ -7,7 +7,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from icrl_core.config import load_config
+from tasks.settings import load_config
 from icrl_core.episodes import read_episodes, render_episode, write_episodes
 from icrl_core.errors import UserError
 from icrl_core.tokenized import (SCHEMA, content_hash, read_tokenized, tokenize_episodes, tokenized_path,

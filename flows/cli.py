@@ -14,28 +14,24 @@ def register(app: typer.Typer) -> None:
     def pipeline(
         stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Run only this stage (repeatable); "
                                                             "default: every stage.", show_default=False)] = None,
-        overrides: Annotated[Optional[list[str]], typer.Option(
-            "--set", "-s", help="Write KEY=VALUE into params.yaml before running (like `dvc exp run -S`); "
-            "repeatable.", show_default=False)] = None,
-        experiment: Annotated[Optional[Path], typer.Option(
-            "--experiment", "-e", help="YAML file of dotted KEY: VALUE overrides (e.g. experiments/"
-            "icrl_skill.yaml), written into params.yaml before --set; `git checkout params.yaml` undoes it.",
-            show_default=False)] = None,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+        experiment: Annotated[Optional[list[Path]], typer.Option(
+            "--experiment", "-e", help="Config file layered after the -c files (after ./params.yaml by default), "
+            "e.g. experiments/icrl_skill.yaml; repeatable.", show_default=False)] = None,
     ) -> None:
         """Run the training pipeline as a Prefect flow: each stage is a task that runs `dvc repro` of that
         stage (so unchanged stages are skipped), training stages run as Ray Train jobs, and everything is
-        logged to MLflow under one pipeline run, ending with a registered, promoted model version."""
-        from tasks.settings import parse_value
-        from icrl_core.errors import ConfigError
+        logged to MLflow under one pipeline run, ending with a registered, promoted model version.
 
-        flat = {}
-        if experiment is not None:
-            flat.update(read_experiment(experiment))
-        for item in overrides or []:
-            key, sep, raw = item.partition("=")
-            if not sep:
-                raise ConfigError(f"--set expects KEY=VALUE (e.g. ppo.kl_beta=0.02), got {item!r}")
-            flat[key.strip()] = parse_value(raw)
+        The stages read params.yaml (that is what DVC tracks), so the layered config files and --set are first
+        written into params.yaml, only the keys whose values change (like `dvc exp run -S`; `git checkout
+        params.yaml` undoes it). ICRL_* variables reach the stages through the environment."""
+        from tasks.cli_common import DEFAULT_PARAMS, config_files
+        from tasks.settings import params_file_overrides
+
+        files = config_files(params) + list(experiment or [])
+        flat = params_file_overrides(DEFAULT_PARAMS, files, overrides or [])
         results = _run_pipeline(overrides=flat or None, stages=stages or None)
         console().print_json(json.dumps(results, default=str))
 
@@ -106,23 +102,6 @@ def register(app: typer.Typer) -> None:
             out.print("stopping")
         finally:
             services.stop()
-
-
-def read_experiment(path: Path) -> dict:
-    """An experiment file: a YAML mapping of dotted config keys to values (validated when applied)."""
-    import yaml
-
-    from icrl_core.errors import ConfigError
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: experiment file not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        raise ConfigError(f"{path}: expected a mapping of dotted keys (e.g. ppo.kl_beta: 0.02) to values")
-    return data
 
 
 def _run_pipeline(**kwargs) -> dict:

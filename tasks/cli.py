@@ -1,7 +1,8 @@
 """The `icrl` command line. Heavy libraries are imported inside commands so `icrl --help` stays fast.
 
-Every command that reads the pipeline config takes `--params FILE` and repeatable `--set KEY=VALUE`;
-precedence is --set > ICRL_* environment > params file > defaults. User errors exit with code 2.
+Every command that reads the pipeline config takes repeatable `-c FILE` (alias `--params`; `@FILE` for short;
+later files win) and repeatable `--set KEY=VALUE`; precedence is --set > ICRL_* environment > config files >
+defaults (tasks/settings.py). User errors exit with code 2.
 """
 
 from __future__ import annotations
@@ -92,10 +93,21 @@ def list_tasks(
 
 
 @config_app.command("show")
-def config_show(params: ParamsOpt = None, overrides: SetOpt = None) -> None:
-    """Print the resolved configuration as YAML (defaults < params file < ICRL_* env < --set)."""
+def config_show(
+    params: ParamsOpt = None,
+    overrides: SetOpt = None,
+    origin: Annotated[bool, typer.Option("--origin", help="Print every key on its own line with the file, "
+                                         "ICRL_* variable or --set item it came from (or `default`).")] = False,
+) -> None:
+    """Print the resolved configuration as YAML (defaults < config files in order < ICRL_* env < --set)."""
     import yaml
 
+    if origin:
+        from tasks.cli_common import config_files
+        from tasks.settings import resolve
+
+        typer.echo(resolve(config_files(params), overrides or []).origin_lines(), nl=False)
+        return
     cfg = resolve_config(params, overrides)
     typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)
 
@@ -206,9 +218,12 @@ _register_subcommands()
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tasks.cli_common import expand_at_files
+
     apply_defaults()
     try:
-        result = app(args=argv, prog_name="icrl", standalone_mode=False)
+        result = app(args=expand_at_files(sys.argv[1:] if argv is None else argv), prog_name="icrl",
+                     standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:

@@ -8,9 +8,11 @@ import typer
 DEFAULT_PARAMS = Path("params.yaml")
 
 ParamsOpt = Annotated[
-    Optional[Path],
-    typer.Option("--params", "-p", help="YAML params file. Default: ./params.yaml if it exists, else built-in "
-                 "defaults.", show_default=False),
+    Optional[list[Path]],
+    typer.Option("--config", "-c", "--params", "-p", help="YAML config file of sections and/or dotted keys; repeat "
+                 "to layer several, later files win (`@FILE` is short for `-c FILE`). Default: ./params.yaml if "
+                 "it exists, else built-in defaults. ICRL_* environment variables and --set apply on top.",
+                 show_default=False),
 ]
 SetOpt = Annotated[
     Optional[list[str]],
@@ -19,12 +21,39 @@ SetOpt = Annotated[
 ]
 
 
-def resolve_config(params: Optional[Path], overrides: Optional[list[str]], extra: dict | None = None):
+def config_files(params: Optional[list[Path]] | Path) -> list[Path]:
+    """The config files a command layers: the ones given (-c/--params/@FILE, in order), else ./params.yaml if it
+    exists, else none (built-in defaults)."""
+    if isinstance(params, Path):
+        return [params]
+    if params:
+        return list(params)
+    return [DEFAULT_PARAMS] if DEFAULT_PARAMS.exists() else []
+
+
+def resolve_config(params: Optional[list[Path]] | Path, overrides: Optional[list[str]], extra: dict | None = None):
     from tasks.settings import load_config
 
-    if params is None and DEFAULT_PARAMS.exists():
-        params = DEFAULT_PARAMS
-    return load_config(params, overrides or [], extra=extra)
+    return load_config(config_files(params), overrides or [], extra=extra)
+
+
+def expand_at_files(argv: list[str]) -> list[str]:
+    """prime-rl's `@ FILE`: an argument `@FILE` (or `@` followed by FILE) means `-c FILE`."""
+    expanded: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "@":
+            following = next(args, None)
+            if following is None:
+                from icrl_core.errors import UserError
+
+                raise UserError("`@` must be followed by a config file, e.g. `@ experiments/debug/tiny.yaml`")
+            expanded += ["-c", following]
+        elif arg.startswith("@"):
+            expanded += ["-c", arg[1:]]
+        else:
+            expanded.append(arg)
+    return expanded
 
 
 def console(stderr: bool = False):

@@ -6,13 +6,18 @@ sections (tracking, Ray, Prefect, sweeps). The same pydantic models serve `param
 search spaces. Each field carries its own description and bounds, so `--help`, the generated docs and validation
 all come from here.
 
-Precedence: CLI `--set` > environment `ICRL_*` > `params.yaml` > defaults.
+Layers, later wins: defaults < config files in the order given (`-c base.yaml -c experiment.yaml`, or
+`./params.yaml`) < environment `ICRL_*` < command options < `--set`. `icrl config show --origin` tells which layer
+set each value; an error names the layer of the bad value.
 """
 
 from __future__ import annotations
 
+import io
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -129,7 +134,27 @@ class PipelineConfig(Section):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Loading and overrides
+# Layers: where values come from. Defaults, then config files in order (later wins), then the ICRL_* environment,
+# then command-line options (e.g. `icrl eval --task`) and Prefect parameters, then --set.
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of config values, merged over the ones before it. `source` names it in `icrl config show
+    --origin` and in errors (a file path, `environment`, `--set`); `keys` names a finer source per dotted key
+    (the environment variable, the --set item)."""
+
+    source: str
+    tree: dict
+    keys: Mapping[str, str] = dataclass_field(default_factory=dict)
+
+    def source_of(self, dotted: str) -> str:
+        parts = dotted.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in self.keys:
+                return self.keys[".".join(parts[:end])]
+        inside = [source for key, source in self.keys.items() if key.startswith(dotted + ".")]
+        return ", ".join(inside) or self.source
 
 
 def parse_value(text: str) -> Any:
@@ -140,9 +165,27 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def parse_assignment(item: str) -> tuple[str, Any]:
+    """`ppo.kl_beta=0.02` -> ("ppo.kl_beta", 0.02): the one parser of `--set KEY=VALUE`."""
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. ppo.kl_beta=0.02), got {item!r}")
+    return key.strip(), parse_value(raw)
+
+
+def split_key(dotted: str, path: str = "") -> list[str]:
+    """`ppo.kl_beta` -> [ppo, kl_beta]. The keys of a mapping-valued field are data, kept whole:
+    `sweep.search_space.ppo.kl_beta` -> [sweep, search_space, ppo.kl_beta]. `path`: where `dotted` sits."""
+    parts = dotted.split(".")
+    for end in range(1, len(parts)):
+        if _join(path, ".".join(parts[:end])) in _MAPPING_FIELDS:
+            return parts[:end] + [".".join(parts[end:])]
+    return parts
+
+
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Set `tree['a']['b'] = value` for `dotted == 'a.b'`, creating dicts on the way."""
-    parts = dotted.split(".")
+    parts = split_key(dotted)
     node = tree
     for part in parts[:-1]:
         child = node.get(part)
@@ -153,32 +196,90 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def deep_merge(base: dict, update: Mapping, path: str = "") -> dict:
+def deep_merge(base: dict, update: Mapping, path: str = "",
+               on_replace: Callable[[str, Any], None] | None = None) -> dict:
     """Merge `update` into a copy of `base`; nested sections merge, everything else is replaced.
 
     A dict that changes the `kind` of a discriminated section replaces the section instead of merging into it,
     so `--set ppo.kl_control.kind=adaptive` does not keep keys of the old variant; a mapping-valued field
-    (e.g. sweep.search_space) is replaced as a whole."""
+    (e.g. sweep.search_space) is replaced as a whole. `on_replace(dotted key, value)` is called for every value
+    that replaces what was there (origin tracking)."""
     out = dict(base)
     for key, value in update.items():
         old = out.get(key)
-        where = f"{path}.{key}" if path else str(key)
+        where = _join(path, str(key))
         same_kind = isinstance(old, dict) and isinstance(value, Mapping) and old.get(
             "kind", value.get("kind")) == value.get("kind", old.get("kind"))
         if same_kind and where not in _MAPPING_FIELDS:
-            out[key] = deep_merge(old, value, where)
+            out[key] = deep_merge(old, value, where, on_replace)
         else:
             out[key] = dict(value) if isinstance(value, Mapping) else value
+            if on_replace is not None:
+                on_replace(where, value)
     return out
 
 
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+def expand_dotted(node: Mapping, path: str = "") -> dict:
+    """A config file's mapping -> nested tree: `{"ppo.kl_beta": 0.02, "ppo": {"epochs": 2}}` ->
+    `{"ppo": {"kl_beta": 0.02, "epochs": 2}}`, so a file may hold sections, dotted keys or both."""
+    tree: dict = {}
+    for key, value in node.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{_join(path, str(key))}: keys must be text (section or dotted key names), "
+                              f"got {key!r}")
+        parts = split_key(key, path)
+        where = _join(path, ".".join(parts))
+        if isinstance(value, Mapping) and where not in _MAPPING_FIELDS:
+            value = expand_dotted(value, where)
+        for part in reversed(parts):
+            value = {part: value}
+        tree = deep_merge(tree, value, path)
+    return tree
+
+
+def read_config_file(path: Path | str) -> dict:
+    """A config file (params.yaml, an experiment): a YAML mapping of sections (`ppo: {kl_beta: 0.02}`) and/or
+    dotted keys (`ppo.kl_beta: 0.02`) -> nested tree. Any problem is a ConfigError that names the file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a YAML config file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: no permission to read it") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    stream = io.StringIO(text)
+    stream.name = str(path)  # YAML errors then say `in "<path>", line L, column C`
+    try:
+        data = yaml.safe_load(stream)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections or dotted keys (e.g. "
+                          f"ppo.kl_beta: 0.02), got {type(data).__name__}")
+    try:
+        return expand_dotted(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def file_layer(path: Path | str) -> Layer:
+    return Layer(str(path), read_config_file(path))
+
+
+def env_layer(environ: Mapping[str, str] | None = None) -> Layer:
     """`ICRL_PPO__KL_BETA=0.02` -> {"ppo": {"kl_beta": 0.02}}. Keys are lower-cased.
 
     A name without the `__` delimiter is a config key only if it names a top-level field (`ICRL_SEED`); other
     `ICRL_*` variables (ICRL_PROJECT_DIR, ICRL_MLFLOW_PARENT_RUN_ID, ...) belong to the process, not the config."""
     environ = os.environ if environ is None else environ
     tree: dict = {}
+    keys: dict[str, str] = {}
     for name, raw in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX):
             continue
@@ -187,54 +288,98 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
             continue
         dotted = ".".join(part.lower() for part in name[len(ENV_PREFIX):].split(ENV_NESTED_DELIMITER))
         set_dotted(tree, dotted, parse_value(raw))
-    return tree
+        keys[dotted] = name
+    return Layer("environment", tree, keys)
 
 
-def cli_overrides(assignments: Iterable[str]) -> dict:
-    """`["ppo.kl_beta=0.02", "seed=3"]` -> nested dict."""
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    return env_layer(environ).tree
+
+
+def set_layer(assignments: Iterable[str]) -> Layer:
+    """`["ppo.kl_beta=0.02", "seed=3"]` -> one layer; each key remembers its --set item."""
     tree: dict = {}
+    keys: dict[str, str] = {}
     for item in assignments:
-        if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE (e.g. ppo.kl_beta=0.02), got {item!r}")
-        key, raw = item.split("=", 1)
-        set_dotted(tree, key.strip(), parse_value(raw))
-    return tree
+        key, value = parse_assignment(item)
+        set_dotted(tree, key, value)
+        keys[key] = f"--set {item}"
+    return Layer("--set", tree, keys)
 
 
-def read_params_file(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: params file not found") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return data
+def config_layers(files: Iterable[Path | str] = (), overrides: Iterable[str] = (),
+                  environ: Mapping[str, str] | None = None, extra: Mapping | None = None,
+                  extra_source: str = "command-line option") -> list[Layer]:
+    """The layers in precedence order: files (later wins) < environment < `extra` < `--set`."""
+    layers = [file_layer(path) for path in files]
+    layers.append(env_layer(environ))
+    if extra:
+        layers.append(Layer(extra_source, dict(extra)))
+    layers.append(set_layer(overrides))
+    return layers
+
+
+def merge_layers(layers: Iterable[Layer]) -> tuple[dict, dict[str, str]]:
+    """The defaults with each layer merged over the ones before it: the raw tree, and the source of every leaf
+    a layer set (dotted key -> source; a key not in it has its default)."""
+    tree: dict = PipelineConfig().model_dump(mode="json")
+    origins: dict[str, str] = {}
+    for layer in layers:
+        def replaced(where: str, value: Any, layer: Layer = layer) -> None:
+            for key in [k for k in origins if k == where or k.startswith(where + ".")]:
+                del origins[key]  # e.g. a section whose kind changed: its old keys are gone
+            for leaf in _leaves(value, where):
+                origins[leaf] = layer.source_of(leaf)
+
+        tree = deep_merge(tree, layer.tree, on_replace=replaced)
+    return tree, origins
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated config and where each of its values came from."""
+
+    config: PipelineConfig
+    origins: Mapping[str, str]
+
+    def origin_lines(self) -> str:
+        """`key: value  # source` for every leaf, in schema order: the output of `icrl config show --origin`
+        (itself a valid config file of dotted keys)."""
+        rows = [(key, _flow_yaml(value), self.origins.get(key, "default"))
+                for key, value in _leaf_values(self.config.model_dump(mode="json"))]
+        width = min(max(len(f"{key}: {shown}") for key, shown, _ in rows), 72)
+        return "".join(f"{f'{key}: {shown}':<{width}}  # {source}\n" for key, shown, source in rows)
+
+
+def resolve(files: Iterable[Path | str] = (), overrides: Iterable[str] = (),
+            environ: Mapping[str, str] | None = None, extra: Mapping | None = None) -> Resolved:
+    """Resolve the config from its layers (see config_layers); errors name the layer a bad value came from."""
+    tree, origins = merge_layers(config_layers(files, overrides, environ, extra))
+    return Resolved(validate_config(tree, origins), origins)
 
 
 def load_config(
-    params_file: Path | str | None = None,
+    params_file: Path | str | Iterable[Path | str] | None = None,
     overrides: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
     extra: Mapping | None = None,
 ) -> PipelineConfig:
-    """Resolve the config: defaults < params file < environment < `extra` (e.g. Prefect parameters) < `--set`."""
-    tree: dict = PipelineConfig().model_dump(mode="json")
-    if params_file is not None:
-        tree = deep_merge(tree, read_params_file(Path(params_file)))
-    tree = deep_merge(tree, env_overrides(environ))
-    if extra:
-        tree = deep_merge(tree, extra)
-    tree = deep_merge(tree, cli_overrides(overrides))
-    return validate_config(tree)
+    """Resolve the config: defaults < params file(s), in order < environment < `extra` (e.g. Prefect parameters
+    or command options) < `--set`."""
+    if params_file is None:
+        files: list = []
+    elif isinstance(params_file, (str, Path)):
+        files = [params_file]
+    else:
+        files = list(params_file)
+    return resolve(files, overrides, environ, extra).config
 
 
-def validate_config(tree: Mapping) -> PipelineConfig:
+def validate_config(tree: Mapping, origins: Mapping[str, str] | None = None) -> PipelineConfig:
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, origins)) from None
 
 
 def with_overrides(config: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
@@ -247,11 +392,68 @@ def with_overrides(config: PipelineConfig, overrides: Mapping[str, Any]) -> Pipe
     return validate_config(tree)
 
 
+def config_diff(old: PipelineConfig, new: PipelineConfig) -> dict[str, Any]:
+    """Dotted keys whose values differ from `old` to `new`: what `--set` (or `dvc exp run -S`) would have to write
+    to turn one into the other. A section whose kind changed, a list and a mapping-valued field count as one
+    value each."""
+    changed: dict[str, Any] = {}
+
+    def walk(before: Any, after: Any, path: str) -> None:
+        if (isinstance(before, dict) and isinstance(after, dict) and path not in _MAPPING_FIELDS
+                and before.get("kind") == after.get("kind")):
+            for key, value in after.items():
+                walk(before.get(key), value, _join(path, key))
+        elif before != after:
+            changed[path] = after
+
+    walk(old.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    return changed
+
+
+def params_file_overrides(params_file: Path | str, files: Iterable[Path | str],
+                          overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """Dotted keys to write into `params_file` so that it alone resolves like the layered `files` + `--set`
+    (what DVC must see: the stages read params_file). Empty when the layers add nothing to params_file. The
+    environment is left out: it reaches the stages by itself."""
+    current = load_config([params_file] if Path(params_file).exists() else [], [], environ={})
+    return config_diff(current, load_config(list(files), overrides, environ={}))
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _leaves(value: Any, path: str) -> Iterable[str]:
+    """Dotted keys of the leaves under `value` at `path`; a list, an empty mapping and a mapping-valued field
+    are one leaf each."""
+    if isinstance(value, Mapping) and value and path not in _MAPPING_FIELDS:
+        for key, child in value.items():
+            yield from _leaves(child, _join(path, str(key)))
+    else:
+        yield path
+
+
+def _leaf_values(tree: Mapping) -> list[tuple[str, Any]]:
+    found = []
+    for key in _leaves(tree, ""):
+        node: Any = tree
+        for part in split_key(key):
+            node = node[part]
+        found.append((key, node))
+    return found
+
+
+def _flow_yaml(value: Any) -> str:
+    """One-line YAML of a value, as in the docs and `config show --origin`."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
 # Keys that were renamed: an old params.yaml gets told the new name instead of only "unknown key".
 RENAMED = {"evaluate.reuse_base_runs": "evaluate.reuse_runs"}
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, origins: Mapping[str, str] | None = None) -> str:
+    """One line per error: the dotted key, what is wrong, and which layer (file, variable, --set) set it."""
     lines = ["invalid configuration:"]
     for err in exc.errors():
         loc = tuple(err["loc"])
@@ -269,7 +471,19 @@ def format_validation_error(exc: ValidationError) -> str:
             lines.append(f"  {key}: {err['msg']}")
         else:
             lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+        source = _source_of(key, origins or {})
+        if source:
+            lines[-1] += f" [from {source}]"
     return "\n".join(lines)
+
+
+def _source_of(key: str, origins: Mapping[str, str]) -> str | None:
+    """The layer that set `key` or the nearest enclosing key (a list, a replaced section)."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in origins:
+            return origins[".".join(parts[:end])]
+    return None
 
 
 def _all_tags(model: type[BaseModel] | None = None, seen: set | None = None) -> set[str]:
@@ -383,14 +597,39 @@ def describe_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -
             rows.extend(describe_fields(sub, key + "."))
             continue
         default = pydantic_core.to_jsonable_python(field.get_default(call_default_factory=True))
-        shown = yaml.safe_dump(default, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
-        rows.append((key, shown, field.description or ""))
+        rows.append((key, _flow_yaml(default), field.description or ""))
     return rows
 
 
+CONFIG_DOC_INTRO = """\
+# Configuration
+
+Generated from the schema by `icrl config docs --output docs/CONFIG.md` (algorithm and stage sections:
+`icrl_core/config.py`; orchestration sections and the loader: `tasks/settings.py`).
+
+Every command that reads the config resolves it from layers, later wins:
+
+1. the defaults below;
+2. config files in the order given: `-c FILE` (alias `--params`; `@FILE` for short), repeatable, default
+   `./params.yaml`. A file holds sections (`ppo: {kl_beta: 0.02}`), dotted keys (`ppo.kl_beta: 0.02`) or both;
+3. environment variables `ICRL_SECTION__KEY=value` (e.g. `ICRL_PPO__KL_BETA=0.02`);
+4. command options (e.g. `icrl eval --task`) and Prefect deployment parameters;
+5. `--set section.key=value`, repeatable (values are YAML).
+
+A mapping that changes a section's `kind` replaces the section; lists and mapping-valued keys
+(`sweep.search_space`, `evaluate.temperatures`) are replaced whole. `icrl config show --origin` prints every value
+with the file, variable or `--set` item it came from (or `default`); an error names the layer of the bad value.
+The DVC stages read `params.yaml`, so `icrl pipeline` first writes into it the keys whose values its layers
+change. Small configs for debugging, layered on params.yaml: `experiments/debug/`
+(`icrl pipeline -c params.yaml -c experiments/debug/tiny.yaml`).
+
+"""
+
+
 def config_reference() -> str:
-    """docs/CONFIG.md: every config key with its default and description (Markdown), from the schema."""
-    lines = ["| key | default | description |", "|---|---|---|"]
+    """docs/CONFIG.md: how the config is resolved, then every key with its default and description (Markdown),
+    from the schema."""
+    lines = [CONFIG_DOC_INTRO + "| key | default | description |", "|---|---|---|"]
     for key, default, description in describe_fields():
         lines.append(f"| `{key}` | `{default}` | {description.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -153,23 +153,24 @@ def test_process_variables_with_the_prefix_are_not_config_keys():
     assert env_overrides(environ) == {"seed": 7, "ppo": {"kl_beta": 0.5}}
 
 
-def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_path):
-    from flows.cli import read_experiment
-    from tasks.settings import load_config
-    from icrl_core.errors import ConfigError
-
-    overrides = read_experiment(Path(__file__).resolve().parents[1] / "experiments" / "icrl_skill.yaml")
-    config = load_config(None, [], environ={}, extra=None)
-    assert overrides["icrl_eval.task"] == "trec_coarse"
-    # the held-out tasks never feed training data
-    assert not any("trec" in s["name"] or "nlu" in s["name"] for s in overrides["data.sources"])
-    assert not any("trec" in name or "nlu" in name for name in overrides["bootstrap.replay"]["tasks"])
+def test_experiment_files_layer_on_params_and_are_written_into_it_as_dvc_sees_them(tmp_path):
     from flows.pipeline import apply_overrides
+    from tasks.settings import params_file_overrides, read_config_file
 
+    skill = ROOT / "experiments" / "icrl_skill.yaml"
+    layer = read_config_file(skill)  # dotted keys -> nested sections
+    assert layer["icrl_eval"]["task"] == "trec_coarse"
+    # the held-out tasks never feed training data
+    assert not any("trec" in s["name"] or "nlu" in s["name"] for s in layer["data"]["sources"])
+    assert not any("trec" in name or "nlu" in name for name in layer["bootstrap"]["replay"]["tasks"])
     params = tmp_path / "params.yaml"
     params.write_text("seed: 0\n")
-    apply_overrides(overrides, str(params))
+    layered = load_config([params, skill], [], environ={})
+    # `icrl pipeline -c params.yaml -c skill.yaml` (or --experiment): the changed keys go into params.yaml
+    apply_overrides(params_file_overrides(params, [params, skill]), str(params))
     experiment = load_config(params, [], environ={})
+    assert experiment == layered
+    assert params_file_overrides(params, [params]) == {}  # params.yaml alone: nothing to write
     assert experiment.data.exemplar_style == "feedback"
     assert experiment.bootstrap.replay.beta > 0  # recipe H: general-chat replay on
     # one backward pass holds at most ~2 episodes of activations (4 pairs of 1536-token episodes were OOM-killed
@@ -180,14 +181,147 @@ def test_experiment_files_are_dotted_overrides_and_bad_ones_are_user_errors(tmp_
     assert experiment.ppo.minibatch_size * experiment.data.episode_tokens <= budget
     assert experiment.adapt.minibatch_size * experiment.data.episode_tokens <= budget
     assert experiment.adapt.rollout_batch * experiment.data.episode_tokens <= 4 * budget  # KV caches, no grads
-    assert config.icrl_eval.task != "trec_coarse"
+    assert load_config(None, [], environ={}).icrl_eval.task != "trec_coarse"
     for text in ("[1, 2]", "a: [", "1: 2"):
         bad = tmp_path / "bad.yaml"
         bad.write_text(text)
         with pytest.raises(ConfigError, match="bad.yaml"):
-            read_experiment(bad)
+            read_config_file(bad)
     with pytest.raises(ConfigError, match="not found"):
-        read_experiment(tmp_path / "missing.yaml")
+        read_config_file(tmp_path / "missing.yaml")
+
+
+def test_params_file_takes_what_the_layers_say_even_when_it_is_not_one_of_them(tmp_path):
+    """Written into params.yaml, the layers give the same config: kind changes replace the section, keys of
+    params.yaml that no layer names return to their defaults, --set wins."""
+    from flows.pipeline import apply_overrides
+    from tasks.settings import params_file_overrides
+
+    params = tmp_path / "params.yaml"
+    params.write_text("# the demo\nseed: 3  # kept comment\nmodel:\n  adapter: {kind: lora, rank: 4}\n"
+                      "ppo:\n  epochs: 2\n  kl_control: {kind: adaptive, target: 0.3}\n")
+    base = tmp_path / "base.yaml"
+    base.write_text("seed: 3\nmodel.adapter: {kind: last_blocks, n_blocks: 1}\n"
+                    "sweep.search_space.ppo.epochs: {kind: choice, values: [1, 2]}\n")
+    sets = ["ppo.kl_beta=0.07", "data.sources=[{kind: task, name: banking77}]"]
+    target = load_config([base], sets, environ={})
+    apply_overrides(params_file_overrides(params, [base], sets), str(params))
+    assert load_config(params, [], environ={}) == target
+    assert target.ppo.epochs == 4 and target.ppo.kl_control.kind == "fixed"  # params.yaml was not a layer
+    assert target.model.adapter == LastBlocksAdapter(n_blocks=1)
+    assert list(target.sweep.search_space) == ["ppo.epochs"]
+    assert "seed: 3  # kept comment" in params.read_text()
+
+
+def test_config_files_mix_sections_and_dotted_keys_and_later_files_win(tmp_path):
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("ppo: {epochs: 2, kl_beta: 0.3}\nppo.clip_range: 0.1\nmodel.adapter: {kind: lora, rank: 4}\n")
+    second.write_text("ppo.epochs: 3\nmodel: {adapter.rank: 2}\n")
+    config = load_config([first, second], [], environ={})
+    assert (config.ppo.epochs, config.ppo.kl_beta, config.ppo.clip_range) == (3, 0.3, 0.1)
+    assert config.model.adapter.rank == 2
+
+
+def _three_layers(tmp_path) -> list[Path]:
+    """A base, an experiment and a local file; each sets keys, later ones override some of the earlier."""
+    files = [tmp_path / "base.yaml", tmp_path / "experiment.yaml", tmp_path / "local.yaml"]
+    files[0].write_text("seed: 5\nppo: {kl_beta: 0.03, epochs: 2, entropy_beta: 0.2}\n")
+    files[1].write_text("ppo.epochs: 3\nmodel: {spec: tiny, adapter: {kind: last_blocks, n_blocks: 1}}\n")
+    files[2].write_text("model.dtype: float32\nppo.entropy_beta: 0.3\n")
+    return files
+
+
+def test_config_show_origin_names_the_file_variable_or_flag_of_every_value(tmp_path):
+    base, experiment, local = _three_layers(tmp_path)
+    result = run_cli("config", "show", "--origin", "-c", str(base), "--params", str(experiment), f"@{local}",
+                     "--set", "ppo.kl_beta=0.5", cwd=tmp_path, env={"ICRL_PPO__VF_COEF": "0.25"})
+    assert result.returncode == 0, result.stderr
+    shown = {}
+    for line in result.stdout.splitlines():
+        entry, origin = line.rsplit("  # ", 1)
+        key, value = entry.split(": ", 1)
+        shown[key] = (yaml.safe_load(value), origin)
+    assert shown["seed"] == (5, str(base))
+    assert shown["ppo.epochs"] == (3, str(experiment))
+    assert shown["ppo.entropy_beta"] == (0.3, str(local))
+    assert shown["model.dtype"] == ("float32", str(local))
+    assert shown["model.adapter.kind"] == ("last_blocks", str(experiment))
+    assert shown["ppo.kl_beta"] == (0.5, "--set ppo.kl_beta=0.5")
+    assert shown["ppo.vf_coef"] == (0.25, "ICRL_PPO__VF_COEF")
+    assert shown["ppo.clip_range"] == (0.2, "default")
+    # every key of the schema is listed, and the listing is itself a config file giving the same config
+    for key, _, _ in describe_fields():
+        assert key in shown or any(name.startswith(key + ".") for name in shown), key
+    listing = tmp_path / "listing.yaml"
+    listing.write_text(result.stdout)
+    assert load_config([listing], [], environ={}) == load_config([base, experiment, local], ["ppo.kl_beta=0.5"],
+                                                                 environ={"ICRL_PPO__VF_COEF": "0.25"})
+
+
+BAD_FILES = {  # what a bad layer holds -> what the error must say besides the file name
+    "yaml": ("ppo: {kl_beta: [\n", "not valid YAML"),
+    "unknown_key": ("ppo.kl_bta: 1\n", "ppo.kl_bta: unknown key"),
+    "bad_value": ("ppo: {kl_beta: -1}\n", "ppo.kl_beta: Input should be greater than or equal to 0"),
+    "not_utf8": (b"seed: 1 # caf\xe9\n", "not UTF-8"),
+    "missing": (None, "config file not found"),
+    "directory": ("dir", "is a directory"),
+}
+
+
+def _bad_layer(tmp_path, kind: str) -> Path:
+    content = BAD_FILES[kind][0]
+    path = tmp_path / f"bad-{kind}.yaml"
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    return path
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_a_bad_file_in_any_layer_is_named_with_its_key(tmp_path, kind, position):
+    files = _three_layers(tmp_path)
+    files[position] = _bad_layer(tmp_path, kind)
+    with pytest.raises(ConfigError) as info:
+        load_config(files, ["seed=1"], environ={})
+    message = str(info.value)
+    assert str(files[position]) in message and BAD_FILES[kind][1] in message, message
+    assert not any(str(other) in message for other in files if other != files[position]), message
+
+
+@pytest.mark.parametrize("position, kind", [(0, "unknown_key"), (1, "not_utf8"), (2, "bad_value")])
+def test_cli_exits_2_naming_the_bad_layer(tmp_path, position, kind):
+    files = _three_layers(tmp_path)
+    files[position] = _bad_layer(tmp_path, kind)
+    args = [arg for path in files for arg in ("-c", str(path))]
+    result = run_cli("config", "show", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert str(files[position]) in result.stderr and BAD_FILES[kind][1] in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_errors_name_the_variable_or_set_item_of_a_bad_value():
+    with pytest.raises(ConfigError, match=r"ppo.kl_beta: .*\[from ICRL_PPO__KL_BETA\]"):
+        load_config(None, [], environ={"ICRL_PPO__KL_BETA": "-1"})
+    with pytest.raises(ConfigError, match=r"data.sources.0.name: Field required .*\[from --set data.sources="):
+        load_config(None, ["data.sources=[{kind: task}]"], environ={})
+
+
+def test_at_file_is_short_for_dash_c():
+    from tasks.cli_common import expand_at_files
+
+    assert expand_at_files(["pipeline", "@a.yaml", "@", "b.yaml", "--set", "x=@y"]) == \
+        ["pipeline", "-c", "a.yaml", "-c", "b.yaml", "--set", "x=@y"]
+
+
+def test_debug_config_layers_on_params_yaml():
+    config = load_config([ROOT / "params.yaml", ROOT / "experiments" / "debug" / "tiny.yaml"], [], environ={})
+    assert config.model.spec == "tiny" and config.model.dtype == "float32"
+    assert config.model.adapter.kind == "lora"  # from params.yaml
+    assert max(config.bootstrap.max_steps, config.reward_model.max_steps, config.ppo.max_steps) <= 2
 
 
 def test_config_reference_in_docs_is_generated_from_the_schema():

@@ -9,13 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+from icrl_core.schema import Section
 
 
 # --------------------------------------------------------------------------------------------------------------

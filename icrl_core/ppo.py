@@ -33,33 +33,7 @@ from torch import nn
 
 from icrl_core.config import AdaptiveKL, FixedKL, PPOConfig
 from icrl_core.distributed import average_gradients, mean_metrics
-
-# --------------------------------------------------------------------------------------------------------------
-# Masked statistics
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """mean of x over the True entries of mask (a scalar). x, mask: same shape."""
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased variance of x over the True entries of mask: sum((x - mean)^2) / (n - 1)."""
-    mean = masked_mean(x, mask)
-    n = mask.to(x.dtype).sum()
-    return (((x - mean) ** 2) * mask.to(x.dtype)).sum() / (n - 1).clamp(min=1.0)
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked entries; masked-out entries become 0.
-    With shift_mean=False the mean is added back (x scaled only)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return out * mask.to(x.dtype)
-
+from icrl_core.objectives import clipped_surrogate, masked_mean, masked_var, whiten
 
 # --------------------------------------------------------------------------------------------------------------
 # Per-token quantities
@@ -138,13 +112,10 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
         L     = -mean_t  w_t * min(rho_t * A_t, clip(rho_t, 1 - c, 1 + c) * A_t)
 
     w_t = behaviour_weights(...) (1 without exploration). All (B, A) or (N,); returns a scalar."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * advantages
-    surrogate = torch.min(unclipped, clipped)
+    loss = clipped_surrogate(logp, old_logp, advantages, clip_range, clip_range)
     if weights is not None:
-        surrogate = weights * surrogate
-    return -masked_mean(surrogate, mask)
+        loss = weights * loss
+    return masked_mean(loss, mask)
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

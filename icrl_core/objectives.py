@@ -1,0 +1,325 @@
+"""Policy-optimization objectives: advantage estimators and losses, one pure function each (CleanRL style), and
+their config schema (`ppo.objective`, a union discriminated on `kind`).
+
+Shapes: B sequences (in-context RL streams), T steps of a stream, A action tokens of a stream (left-aligned,
+right-padded), G sequences of one group (same task and query order). `mask` marks the valid entries.
+Under stream training (icrl_core/streams.py) an action token is a *decision* of constrained decoding: a label
+token chosen among several children of the label trie; its log-probability is the log-softmax restricted to
+those children. Forced tokens (one child) decide nothing and are no actions.
+
+Returns and advantages are per step; a step's advantage is given to each of its action tokens.
+
+    R_t  = sum_{k >= t} gamma^(k - t) r_k            (discounted_returns: later rewards of the stream count)
+
+Group baselines are taken per step position t across the G streams of a group: they answer the same query at
+step t, so the baseline compares answers to one query, each after its own history.
+
+    GRPO      A_{g,t} = (R_{g,t} - mean_g R_t) / (std_g R_t + eps)           (Shao et al., 2024; TRL)
+    Dr.GRPO   A_{g,t} =  R_{g,t} - mean_g R_t                                (Liu et al., 2025: no std)
+    RLOO      A_{g,t} =  R_{g,t} - (sum_{g' != g} R_{g',t}) / (G - 1)        (Ahmadian et al., 2024)
+    OPO       A_{g,t} =  R_{g,t} - sum_g l_{g,t} R_{g,t} / sum_g l_{g,t}     (Hao et al., 2025; l = action tokens)
+
+Losses (rho = pi / pi_old per action token; each returns a scalar to minimise):
+
+    clipped       -min(rho A, clip(rho, 1 - c_low, 1 + c_high) A)   per token (PPO, GRPO, RLOO, Dr.GRPO)
+    GSPO          the same with the sequence ratio s = exp(mean_t log rho_t) in place of rho (token form)
+    AIPO          -min(pi / mu, delta) A   per token, mu = the behaviour policy  (Llama-RL; prime-rl's default)
+    OPO           -rho A  per token (exactly on-policy: its gradient is sum_t A_t grad log pi)
+    KL            k3 per token: exp(ref - logp) - (ref - logp) - 1   (TRL's GRPO KL term)
+    DPO / IPO     preference losses on (chosen, rejected) log-prob sums under policy and reference
+
+Aggregations: `token_mean` (sum over all tokens / token count), `sequence_mean` (each sequence's token mean,
+then the mean over sequences: GRPO's 1/G sum_i 1/|o_i| sum_t), `token_sum` (sum / a constant: Dr.GRPO).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from icrl_core.schema import Section
+
+# --------------------------------------------------------------------------------------------------------------
+# Schema: ppo.objective
+
+
+class PPOObjective(Section):
+    """PPO (Schulman et al., 2017): value head, GAE over the steps of a stream (ppo.gamma, ppo.gae_lambda), the
+    clipped ratio (ppo.clip_range), a clipped value loss (ppo.vf_coef, ppo.value_clip), the KL to the reference
+    in the reward (ppo.kl_beta). Its knobs are the ppo.* fields."""
+
+    kind: Literal["ppo"] = "ppo"
+
+
+class GRPOObjective(Section):
+    """GRPO: group-normalised advantages over the streams of a group, clipped ratio, sequence-mean loss, KL to
+    the reference as a loss term (k3, weight ppo.kl_beta)."""
+
+    kind: Literal["grpo"] = "grpo"
+    scale_advantages: Annotated[bool, Field(description="Divide by the group's standard deviation (off: the "
+                                            "advantage is only centred).")] = True
+    clip_low: Annotated[float, Field(gt=0, lt=1, description="Lower ratio clip: rho >= 1 - clip_low.")] = 0.2
+    clip_high: Annotated[float, Field(gt=0, description="Upper ratio clip: rho <= 1 + clip_high (DAPO's "
+                                      "clip-higher raises it).")] = 0.2
+
+
+class RLOOObjective(Section):
+    """RLOO: each stream's baseline is the mean return of the other streams of its group; clipped ratio,
+    sequence-mean loss, KL term (k3, ppo.kl_beta)."""
+
+    kind: Literal["rloo"] = "rloo"
+    clip_range: Annotated[float, Field(gt=0, lt=1, description="Ratio clip epsilon.")] = 0.2
+
+
+class DrGRPOObjective(Section):
+    """Dr.GRPO (GRPO done right): centred advantages without std normalisation, the clipped token losses summed
+    and divided by a constant (streams x steps x the longest label path), so neither group difficulty nor
+    answer length rescales the gradient. KL term (k3, ppo.kl_beta)."""
+
+    kind: Literal["dr_grpo"] = "dr_grpo"
+    clip_range: Annotated[float, Field(gt=0, lt=1, description="Ratio clip epsilon.")] = 0.2
+
+
+class GSPOObjective(Section):
+    """GSPO (Zheng et al., 2025): the importance ratio of a whole stream, exp(mean over its action tokens of
+    log rho), clipped (token form: each token's gradient flows through its own log-prob), GRPO advantages."""
+
+    kind: Literal["gspo"] = "gspo"
+    scale_advantages: Annotated[bool, Field(description="Divide by the group's standard deviation.")] = True
+    clip_low: Annotated[float, Field(gt=0, lt=1, description="Lower clip of the sequence ratio (the paper: "
+                                     "3e-4; sequence ratios stay much closer to 1 than token ratios).")] = 3e-4
+    clip_high: Annotated[float, Field(gt=0, description="Upper clip of the sequence ratio (the paper: "
+                                      "4e-4).")] = 4e-4
+
+
+class OPOObjective(Section):
+    """OPO (Hao et al., 2025): exactly on-policy policy gradient with the length-weighted optimal baseline (use
+    ppo.epochs 1: every update on fresh streams). KL term (k3, ppo.kl_beta)."""
+
+    kind: Literal["opo"] = "opo"
+
+
+class AIPOObjective(Section):
+    """AIPO (Llama-RL; prime-rl's default loss): advantage times the importance ratio to the behaviour policy,
+    capped from above at delta, token mean; group-centred advantages. KL term (k3, ppo.kl_beta)."""
+
+    kind: Literal["aipo"] = "aipo"
+    delta: Annotated[float, Field(gt=1, description="Cap of the importance ratio pi / mu.")] = 8.0
+
+
+Objective = Annotated[Union[PPOObjective, GRPOObjective, RLOOObjective, DrGRPOObjective, GSPOObjective,
+                            OPOObjective, AIPOObjective], Field(discriminator="kind")]
+OBJECTIVE_KINDS = ("ppo", "grpo", "rloo", "dr_grpo", "gspo", "opo", "aipo")
+OBJECTIVE_TYPES = (PPOObjective, GRPOObjective, RLOOObjective, DrGRPOObjective, GSPOObjective, OPOObjective,
+                   AIPOObjective)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Masked statistics and aggregations
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mean of x over the True entries of mask (a scalar). x, mask: same shape."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance of x over the True entries of mask: sum((x - mean)^2) / (n - 1)."""
+    mean = masked_mean(x, mask)
+    n = mask.to(x.dtype).sum()
+    return (((x - mean) ** 2) * mask.to(x.dtype)).sum() / (n - 1).clamp(min=1.0)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries; masked-out entries become 0.
+    With shift_mean=False the mean is added back (x scaled only)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask.to(x.dtype)
+
+
+token_mean = masked_mean
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1/B' sum_i (sum_t x_it / n_i) over the B' rows with at least one valid entry. x, mask (B, A)."""
+    maskf = mask.to(x.dtype)
+    counts = maskf.sum(-1)
+    per_row = (x * maskf).sum(-1) / counts.clamp(min=1.0)
+    rows = counts > 0
+    return per_row[rows].sum() / rows.sum().clamp(min=1)
+
+
+def token_sum(x: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """sum of x over valid entries / a constant `normalizer` (Dr.GRPO: batch size x the longest answer)."""
+    return (x * mask.to(x.dtype)).sum() / normalizer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Returns and advantages (per step)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """R_t = r_t + gamma * R_{t+1} over each row's valid steps (a left-aligned prefix); 0 elsewhere.
+    rewards, mask (B, T) -> (B, T)."""
+    maskf = mask.to(rewards.dtype)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * maskf[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def _group_columns(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask as float, count n_t of valid streams per step, sum over streams) of a group's (G, T) returns."""
+    maskf = mask.to(returns.dtype)
+    count = maskf.sum(0)
+    total = (returns * maskf).sum(0)
+    return maskf, count, total
+
+
+def grpo_advantages(returns: torch.Tensor, mask: torch.Tensor, scale: bool = True, eps: float = 1e-4
+                    ) -> torch.Tensor:
+    """A_{g,t} = (R_{g,t} - mean_g R_{.,t}) / (std_g R_{.,t} + eps), std unbiased over the group's valid
+    streams at step t (as TRL: torch.std, eps 1e-4); without `scale` only centred (Dr.GRPO).
+    returns, mask: one group, (G, T) -> (G, T), 0 where mask is False."""
+    maskf, count, total = _group_columns(returns, mask)
+    mean = total / count.clamp(min=1.0)
+    centred = (returns - mean) * maskf
+    if not scale:
+        return centred
+    std = torch.sqrt((centred ** 2).sum(0) / (count - 1).clamp(min=1.0))
+    return centred / (std + eps) * maskf
+
+
+def rloo_advantages(returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A_{g,t} = R_{g,t} - (sum_{g' != g} R_{g',t}) / (n_t - 1): the leave-one-out baseline, independent of
+    stream g's own actions (unbiased). (G, T) -> (G, T); 0 where a step has a single valid stream."""
+    maskf, count, total = _group_columns(returns, mask)
+    others = (total - returns) / (count - 1).clamp(min=1.0)
+    return (returns - others) * maskf * (count > 1).to(returns.dtype)
+
+
+def opo_advantages(returns: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A_{g,t} = R_{g,t} - b_t,  b_t = sum_g l_{g,t} R_{g,t} / sum_g l_{g,t}: OPO's optimal baseline when the
+    squared gradient norm of an answer grows with its length l (its action tokens). (G, T) -> (G, T)."""
+    maskf = mask.to(returns.dtype)
+    weights = lengths.to(returns.dtype) * maskf
+    baseline = (weights * returns).sum(0) / weights.sum(0).clamp(min=1e-12)
+    return (returns - baseline) * maskf
+
+
+def per_group(estimator, returns: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor, *extra: torch.Tensor,
+              **options) -> torch.Tensor:
+    """Apply a group estimator (e.g. rloo_advantages) to the rows of each group. returns, mask, extra: (B, T);
+    groups (B,) group id of each row -> (B, T)."""
+    out = torch.zeros_like(returns)
+    for group in torch.unique(groups):
+        rows = groups == group
+        out[rows] = estimator(returns[rows], *[e[rows] for e in extra], mask[rows], **options)
+    return out
+
+
+def step_to_tokens(step_values: torch.Tensor, token_step: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Give each action token the value of its step: out[b, a] = step_values[b, token_step[b, a]].
+    step_values (B, T), token_step (B, A) long, token_mask (B, A) -> (B, A), 0 where the mask is False."""
+    gathered = step_values.gather(1, token_step.clamp(min=0, max=step_values.shape[1] - 1))
+    return gathered * token_mask.to(step_values.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-token terms
+
+
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                      clip_high: float) -> torch.Tensor:
+    """-min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) per token, rho = exp(logp - old_logp). Any shape."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token (Schulman, 2020; TRL's GRPO): exp(ref - logp) - (ref - logp)
+    - 1 >= 0. Any shape."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = mean over row i's valid tokens of (logp - old_logp): the log of GSPO's sequence ratio
+    s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|). (B, A) -> (B,)."""
+    maskf = mask.to(logp.dtype)
+    return ((logp - old_logp) * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Losses
+
+
+def grpo_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float) -> torch.Tensor:
+    """L = 1/B sum_i 1/|y_i| sum_t -min(rho A, clip(rho, 1 - c_low, 1 + c_high) A)   (GRPO's sequence mean).
+    All (B, A); returns a scalar. RLOO uses it with its own advantages and c_low = c_high."""
+    return sequence_mean(clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high), mask)
+
+
+def dr_grpo_loss(logp, old_logp, advantages, mask, clip_range: float, normalizer: float) -> torch.Tensor:
+    """L = sum_{i,t} -min(rho A, clip(rho, 1 - c, 1 + c) A) / normalizer, a constant (streams x steps x the
+    longest label path) instead of each sequence's length. All (B, A); returns a scalar."""
+    return token_sum(clipped_surrogate(logp, old_logp, advantages, clip_range, clip_range), mask, normalizer)
+
+
+def gspo_loss(logp, old_logp, advantages, mask, clip_low: float, clip_high: float) -> torch.Tensor:
+    """GSPO, token form (GSPO-token of Zheng et al., 2025):
+
+        log w_{i,t} = logp_{i,t} - sg(logp_{i,t}) + sg(log s_i)        (value s_i, gradient of token t only)
+        L = 1/B sum_i 1/|y_i| sum_t -min(w_{i,t} A_{i,t}, clip(w_{i,t}, 1 - c_low, 1 + c_high) A_{i,t})
+
+    With one advantage per sequence this is GSPO's sequence objective exactly. All (B, A); a scalar."""
+    log_s = sequence_log_ratio(logp, old_logp, mask).detach()
+    log_w = logp - logp.detach() + log_s[:, None]
+    return grpo_loss(log_w, torch.zeros_like(log_w), advantages, mask, clip_low, clip_high)
+
+
+def aipo_loss(logp, behaviour_logp, advantages, mask, delta: float) -> torch.Tensor:
+    """AIPO (prime-rl's default loss, docs/async.md):
+
+        L = -1 / sum_i |y_i| * sum_{i,t} min(pi(y_t) / mu(y_t), delta) A_t
+
+    mu = the policy that sampled the stream. Above delta the ratio is capped (and carries no gradient), so a
+    token mu found unlikely cannot produce a runaway step. All (B, A); a scalar."""
+    ratio = torch.exp(logp - behaviour_logp)
+    return -token_mean(torch.clamp(ratio, max=delta) * advantages, mask)
+
+
+def policy_gradient_loss(logp, old_logp, advantages, mask) -> torch.Tensor:
+    """L = -1 / sum_i |y_i| * sum_{i,t} rho_t A_t, rho = pi / pi_old (= 1 on-policy, where the gradient is
+    -sum_t A_t grad log pi(y_t) / N): OPO's exactly on-policy update. All (B, A); a scalar."""
+    return -token_mean(torch.exp(logp - old_logp) * advantages, mask)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
+             reference_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO (Rafailov et al., 2023), mean over pairs:
+
+        h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))
+        L = -log sigmoid(beta * h)
+
+    Each argument (P,): the summed log-probs of a pair's chosen (y_w) or rejected (y_l) answer."""
+    h = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
+    return -F.logsigmoid(beta * h).mean()
+
+
+def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,
+             reference_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """IPO (Azar et al., 2023), mean over pairs: L = (h - 1 / (2 beta))^2 with h as in `dpo_loss`: the log-ratio
+    margin is regressed to a fixed target instead of pushed to infinity. Arguments (P,)."""
+    h = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
+    return ((h - 1.0 / (2.0 * beta)) ** 2).mean()

@@ -1,0 +1,12 @@
+"""The base of every config section. Its own module so an algorithm's schema can live beside the algorithm
+(e.g. icrl_core/objectives.py) and still be hung on the pipeline config by icrl_core/config.py."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())

@@ -6,10 +6,8 @@ stays in the context for the next query (with `feedback_in_context`, followed by
 in-context RL harness's words). If the rollout with the preferred answers were forced, its token ids would be
 those of `render_episode` (tests check this).
 
-Batched generation with holes: all episodes of a batch share one KV cache of shape (B, L). Each turn feeds a
-right-padded block of each row's new tokens; rows that are done generating feed padding. Padding is masked out
-of attention and the rotary positions are the count of real tokens before each token, so every row sees
-exactly its own sequence (fp32 matches an unbatched recompute to ~2e-5 in logits).
+Batched generation with holes (`BatchedCache`): all episodes of a batch share one KV cache of shape (B, L). Each
+turn feeds a right-padded block of each row's new tokens; rows that are done generating feed padding.
 
 Exploration (epsilon-mixture). Each generated token is drawn from the behaviour policy
 
@@ -219,44 +217,60 @@ class Rollout:
 # Batched generation
 
 
+class BatchedCache:
+    """Several token sequences growing in one KV cache of shape (B, L), with holes.
+
+    Each `feed` appends a right-padded block of each row's new tokens (rows with nothing new feed padding).
+    Padding is masked out of attention and the rotary positions are the count of real tokens before each
+    token, so every row sees exactly its own sequence (fp32 matches an unbatched recompute to ~2e-5 in logits)."""
+
+    def __init__(self, policy, batch: int):
+        from transformers import DynamicCache
+
+        self.policy = policy
+        self.batch = batch
+        self.pad = policy.tokenizer.pad_token_id
+        self.cache = DynamicCache()
+        self.attention = torch.zeros((batch, 0), dtype=torch.long)
+        self.n_real = torch.zeros(batch, dtype=torch.long)  # real tokens per row = the next rotary position
+
+    @torch.no_grad()
+    def feed(self, rows_ids: Sequence[Sequence[int]], logits: bool = True) -> torch.Tensor:
+        """Feed each row its ids; return, for each row that got ids (in row order), the next-token logits (R, V)
+        at its last new token, or its final hidden state (R, H) with `logits=False`."""
+        width = max(len(ids) for ids in rows_ids)
+        block = torch.full((self.batch, width), self.pad, dtype=torch.long)
+        block_mask = torch.zeros((self.batch, width), dtype=torch.long)
+        last = torch.zeros((self.batch, width), dtype=torch.bool)
+        for row, ids in enumerate(rows_ids):
+            if ids:
+                block[row, :len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+                block_mask[row, :len(ids)] = 1
+                last[row, len(ids) - 1] = True
+        positions = self.n_real[:, None] + (block_mask.cumsum(1) - 1).clamp(min=0)
+        self.attention = torch.cat([self.attention, block_mask], dim=1)
+        out, _, hidden = self.policy.forward(block, self.attention, logits_at=last if logits else torch.zeros_like(last),
+                                             position_ids=positions, past_key_values=self.cache, use_cache=True)
+        self.n_real.add_(block_mask.sum(1))
+        return out if logits else hidden[last]
+
+
 @torch.no_grad()
 def generate_rollouts(policy, episodes: Sequence[Episode], sampling: Sampling, max_new_tokens: int,
                       max_tokens: int, generator: torch.Generator | None = None,
                       feedback_in_context: bool = False) -> list[Rollout]:
     """Answer every query of every episode with the policy, all episodes batched with one KV cache."""
-    from transformers import DynamicCache
-
     policy.eval()
     tokens = policy.tokens
     dialogues = [EpisodeDialogue(ep, tokens, max_tokens, max_new_tokens, feedback_in_context) for ep in episodes]
     batch = len(dialogues)
-    pad = policy.tokenizer.pad_token_id
     stop = {tokens.end_of_turn_id, policy.tokenizer.eos_token_id}
-    cache = DynamicCache()
-    attention = torch.zeros((batch, 0), dtype=torch.long)
-    n_real = torch.zeros(batch, dtype=torch.long)  # real tokens in the cache per row = next rotary position
+    cache = BatchedCache(policy, batch)
 
     def feed(rows_ids: list[list[int]]) -> torch.Tensor:
-        """Feed each row its ids (right-padded into one block); return logits at each non-empty row's last
-        token, (R, V) for the R rows that got ids, in row order."""
-        nonlocal attention
-        width = max(len(ids) for ids in rows_ids)
-        block = torch.full((batch, width), pad, dtype=torch.long)
-        block_mask = torch.zeros((batch, width), dtype=torch.long)
-        last = torch.zeros((batch, width), dtype=torch.bool)
-        for row, ids in enumerate(rows_ids):
-            if ids:
-                block[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                block_mask[row, :len(ids)] = 1
-                last[row, len(ids) - 1] = True
-        positions = n_real[:, None] + (block_mask.cumsum(1) - 1).clamp(min=0)
-        attention = torch.cat([attention, block_mask], dim=1)
-        logits, _, _ = policy.forward(block, attention, logits_at=last, position_ids=positions,
-                                      past_key_values=cache, use_cache=True)
-        n_real.add_(block_mask.sum(1))
         for row, ids in enumerate(rows_ids):
             dialogues[row].fed += len(ids)
-        return logits
+        return cache.feed(rows_ids)
 
     while not all(d.done for d in dialogues):
         active = [not d.done for d in dialogues]

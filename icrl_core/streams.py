@@ -1,0 +1,379 @@
+"""In-context RL streams as RL rollouts: the policy learns from the reward feedback in its own context.
+
+A stream is one rollout: T queries of a few-way task drawn from the training tasks (the bootstrap's sampler:
+`data.labels_per_episode` labels, real or opaque names, `data.permute_labels`). At step t the policy sees the
+system prompt and every past (query, its own answer, feedback) turn, negative feedback included, rendered
+exactly as the in-context RL harness renders its contexts (`icrl_eval.render_context` / `render_query` with the
+naive strategy's view: every past episode, feedback shown). It answers by constrained decoding over the label
+trie (the harness's rule: at each branching node one uniform draw inverted through softmax(logits[children] / T),
+`icrl_eval.sample_child`), so trying a label that was never rewarded is one action among the others. The reward
+is 1 for the gold label, else 0, and the feedback turn joins the context.
+
+G streams of a group share the task and the query order (a group baseline compares answers to the same query);
+they are generated together in one KV cache (`rollout.BatchedCache`), each stream's cache only growing.
+
+The finished stream is one token sequence whose prefixes are exactly the contexts of its steps, so ONE forward
+pass over it gives every step's answer log-probs for the update (`stream_outputs`):
+
+    log pi(a_t | s_t) = sum over the decisions j of step t of log softmax(z_j[children_j] / T)[chosen_j]
+
+where z_j is the LM head at the token before the decided one, restricted to the trie children of the node
+decided there (forced tokens: one child, log-prob 0, no action). V(s_t) is the value head at the last prompt token
+of step t (the position that predicts the answer's first token; the answer's own tokens would let the critic see
+the action, making it a Q-value and a biased baseline).
+
+Shapes: B streams, L tokens, T steps, A decisions (actions) of a stream, K the largest number of children, H the
+hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from icrl_core.chat import Tokens
+from icrl_core.config import DataConfig
+from icrl_core.dataset_build import ResolvedSource, episode_labels, episode_rng
+from icrl_core.errors import UserError
+from icrl_core.icrl_eval import (
+    EpisodeRecord,
+    Show,
+    candidate_sequences,
+    child_distribution,
+    render_context,
+    render_query,
+    sample_child,
+)
+from icrl_core.kernels import ROOT, LabelTrie
+from icrl_core.prompting import PromptTemplate
+from icrl_core.task_data import Example
+
+# What the policy sees of its past steps: the harness's in-context RL view (system prompt with the feedback
+# sentence, its own answers, the feedback turn after each).
+STREAM_VIEW = Show(system_with_feedback=True, answer="prediction", feedback=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tasks
+
+
+@dataclass(frozen=True)
+class StreamTask:
+    """The task of a group of streams: its candidate labels (the trie), template and the T queries in order."""
+
+    name: str
+    labels: tuple[str, ...]
+    template: PromptTemplate
+    queries: tuple[Example, ...]
+
+
+def sample_stream_task(sources: Sequence[ResolvedSource], data: DataConfig, steps: int, seed: int, key: str,
+                       split: str = "train") -> StreamTask:
+    """A task for one group, drawn like a bootstrap episode: a source by weight, its label subset
+    (`episode_labels`: all labels, or `data.labels_per_episode`), a label renaming with `data.permute_labels`,
+    then `steps` queries of those labels from the split's pool (without replacement while the pool lasts).
+    Deterministic in (seed, key)."""
+    tasks = [s for s in sources if s.task is not None]
+    if not tasks:
+        raise UserError("stream rollouts need a task or synthetic source in data.sources (file sources carry no "
+                        "label set to decode over)")
+    rng = episode_rng(seed, key)
+    source = rng.choices(tasks, weights=[s.weight for s in tasks])[0]
+    task = source.task
+    subset = episode_labels(task, rng, data)
+    rename = dict(zip(task.labels, rng.sample(task.labels, len(task.labels)))) if data.permute_labels else {}
+    allowed = set(subset)
+    pool = [e for e in source.pools[split] if e.label in allowed]
+    if not pool:
+        raise UserError(f"task '{task.name}': its {split} split has no example of the labels {subset}")
+    picks = rng.sample(range(len(pool)), steps) if len(pool) >= steps else [rng.randrange(len(pool))
+                                                                            for _ in range(steps)]
+    queries = tuple(Example(pool[i].text, rename.get(pool[i].label, pool[i].label)) for i in picks)
+    labels = tuple(rename.get(label, label) for label in subset)
+    return StreamTask(task.name, labels, task.template, queries)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streams
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice of constrained decoding: at stream index `position` the model read the next-token logits of
+    the `candidates` (trie children) and the behaviour policy picked `candidates[chosen]` with log-prob `logp`."""
+
+    position: int
+    candidates: tuple[int, ...]
+    chosen: int
+    logp: float
+
+
+@dataclass
+class StreamStep:
+    record: EpisodeRecord     # query, gold, prediction, reward, feedback (as the harness logs a step)
+    answer_start: int         # index in the stream of the answer's first token (the prompt is ids[:answer_start])
+    answer_ids: tuple[int, ...]
+    decisions: list[Decision]
+
+    @property
+    def reward(self) -> float:
+        return float(self.record.reward)
+
+    @property
+    def logp(self) -> float:
+        """log of the answer's probability under the behaviour policy (the sum over its decisions)."""
+        return sum(d.logp for d in self.decisions)
+
+
+@dataclass
+class Stream:
+    task: StreamTask
+    group: int
+    input_ids: list[int]      # up to the last answer's end-of-turn token
+    steps: list[StreamStep] = field(default_factory=list)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.steps]
+
+    def context_ids(self, step: int) -> list[int]:
+        """The prompt of `step`: what the policy saw before answering it."""
+        return self.input_ids[:self.steps[step].answer_start]
+
+
+def restricted_logits(head, rows: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """LM-head logits of the candidate tokens only: out[n, k] = h_n . W[candidates[n, k]] (+ b).
+    rows (N, H), candidates (N, K) long -> (N, K) float32. The 49k-token head is never computed."""
+    weight = head.weight[candidates]                                   # (N, K, H)
+    logits = (rows[:, None, :].to(weight.dtype) * weight).sum(-1).float()
+    if getattr(head, "bias", None) is not None:
+        logits = logits + head.bias[candidates].float()
+    return logits
+
+
+def stream_rng(seed: int, iteration: int, group: int, stream: int) -> np.random.Generator:
+    """The decoding draws of one stream (one uniform per decision, as the harness draws)."""
+    return np.random.default_rng([seed, iteration, group, stream])
+
+
+@torch.no_grad()
+def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
+                     group: int = 0, max_tokens: int | None = None) -> list[Stream]:
+    """Run len(rngs) streams of `task` together (one KV cache, each row only growing): at each step render every
+    stream's context + query, feed what is new, walk the label trie deciding at each branching node with that
+    stream's rng, reward the label, add the episode to its history."""
+    from icrl_core.rollout import BatchedCache
+
+    if temperature <= 0:
+        raise UserError("stream rollouts sample their answers: the temperature must be > 0")
+    policy.eval()
+    tokens: Tokens = policy.tokens
+    template = task.template
+    labels = list(task.labels)
+    trie = LabelTrie.build(candidate_sequences(tokens, template, labels))
+    head = policy.causal_lm.lm_head
+    n = len(rngs)
+    max_tokens = max_tokens or policy.context_window
+    cache = BatchedCache(policy, n)
+    histories: list[list[EpisodeRecord]] = [[] for _ in range(n)]
+    fed: list[list[int]] = [[] for _ in range(n)]
+    steps: list[list[StreamStep]] = [[] for _ in range(n)]
+    for t, example in enumerate(task.queries):
+        news = []
+        for g in range(n):
+            context, user_open = render_context(tokens, template, histories[g], STREAM_VIEW)
+            prompt = list(context) + render_query(tokens, template, example.text, user_open)
+            if prompt[:len(fed[g])] != fed[g]:  # the chat rendering must be concatenative (chat.Conversation)
+                raise RuntimeError("a stream's context is not an extension of its previous context")
+            if len(prompt) + trie.max_depth > max_tokens:
+                raise UserError(f"a stream of {len(task.queries)} steps outgrows the {max_tokens}-token window at "
+                                f"step {t}: use fewer ppo.stream.steps")
+            news.append(prompt[len(fed[g]):])
+            fed[g] = prompt
+        hidden = cache.feed(news, logits=False)                       # (n, H): every row fed its prompt
+        starts = [len(ids) for ids in fed]
+        node = [ROOT] * n
+        answer: list[list[int]] = [[] for _ in range(n)]
+        decisions: list[list[Decision]] = [[] for _ in range(n)]
+        active = list(range(n))
+        while active:
+            branching = [g for g in active if len(trie.children[node[g]]) > 1]
+            choice = {g: 0 for g in active}
+            if branching:
+                kids = [trie.children[node[g]] for g in branching]
+                width = max(len(k) for k in kids)
+                cand = torch.tensor([[trie.token[c] for c in k] + [trie.token[k[0]]] * (width - len(k))
+                                     for k in kids], dtype=torch.long)
+                logits = restricted_logits(head, hidden[branching], cand)
+                for g, ks, row in zip(branching, kids, logits):
+                    values = row[:len(ks)].double().numpy()
+                    pick = sample_child(values, temperature, rngs[g])
+                    prob = float(child_distribution(values, temperature)[pick])
+                    choice[g] = pick
+                    decisions[g].append(Decision(starts[g] + len(answer[g]) - 1, tuple(trie.token[c] for c in ks),
+                                                 pick, math.log(prob)))
+            for g in active:
+                node[g] = trie.children[node[g]][choice[g]]
+                answer[g].append(trie.token[node[g]])
+            active = [g for g in active if not trie.is_leaf(node[g])]
+            if active:  # the chosen tokens enter the cache; finished rows feed padding
+                out = cache.feed([[answer[g][-1]] if g in active else [] for g in range(n)], logits=False)
+                for row, g in enumerate(active):
+                    hidden[g] = out[row]
+        for g in range(n):
+            label = labels[trie.label_of_leaf[node[g]]]
+            reward = int(label == example.label)
+            record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
+            steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g]))
+            histories[g].append(record)
+            fed[g] = fed[g] + answer[g][:-1]  # the cache holds these; the end of turn comes with the next block
+    return [Stream(task, group, fed[g] + [steps[g][-1].answer_ids[-1]], steps[g]) for g in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streams as tensors, and the one-pass log-probs
+
+
+@dataclass
+class StreamBatch:
+    """Padded streams. input_ids, attention_mask (B, L); per decision (B, A): positions (index of the token whose
+    output predicts the decided token), chosen (index into the candidates), action_step (step of the decision),
+    behaviour_logp, action_mask; candidates, candidate_mask (B, A, K); per step (B, T): value_positions (last
+    prompt token), rewards, answer_actions (decisions of the step), step_mask; groups (B,)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    candidates: torch.Tensor
+    candidate_mask: torch.Tensor
+    chosen: torch.Tensor
+    action_step: torch.Tensor
+    behaviour_logp: torch.Tensor
+    action_mask: torch.Tensor
+    value_positions: torch.Tensor
+    rewards: torch.Tensor
+    answer_actions: torch.Tensor
+    step_mask: torch.Tensor
+    groups: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor) -> StreamBatch:
+        """Rows `index`, trimmed to their longest sequence and decision count."""
+        length = int(self.attention_mask[index].sum(1).max())
+        actions = max(int(self.action_mask[index].sum(1).max()), 1)
+        return StreamBatch(
+            self.input_ids[index, :length], self.attention_mask[index, :length], self.positions[index, :actions],
+            self.candidates[index, :actions], self.candidate_mask[index, :actions], self.chosen[index, :actions],
+            self.action_step[index, :actions], self.behaviour_logp[index, :actions],
+            self.action_mask[index, :actions], self.value_positions[index], self.rewards[index],
+            self.answer_actions[index], self.step_mask[index], self.groups[index])
+
+
+def collate_streams(streams: Sequence[Stream], pad_id: int) -> StreamBatch:
+    """Right-pad streams into a StreamBatch. A padded decision gets one valid dummy candidate so its
+    (masked-out) log-softmax stays finite."""
+    batch = len(streams)
+    length = max(len(s.input_ids) for s in streams)
+    n_steps = max(len(s.steps) for s in streams)
+    flat = [[(t, d) for t, step in enumerate(s.steps) for d in step.decisions] for s in streams]
+    n_actions = max(max(len(f) for f in flat), 1)
+    width = max((len(d.candidates) for f in flat for _, d in f), default=1)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, length), dtype=torch.long)
+    positions = torch.zeros((batch, n_actions), dtype=torch.long)
+    candidates = torch.zeros((batch, n_actions, width), dtype=torch.long)
+    candidate_mask = torch.zeros((batch, n_actions, width), dtype=torch.bool)
+    candidate_mask[:, :, 0] = True
+    chosen = torch.zeros((batch, n_actions), dtype=torch.long)
+    action_step = torch.zeros((batch, n_actions), dtype=torch.long)
+    behaviour = torch.zeros((batch, n_actions))
+    action_mask = torch.zeros((batch, n_actions), dtype=torch.bool)
+    value_positions = torch.zeros((batch, n_steps), dtype=torch.long)
+    rewards = torch.zeros((batch, n_steps))
+    answer_actions = torch.zeros((batch, n_steps))
+    step_mask = torch.zeros((batch, n_steps), dtype=torch.bool)
+    for b, stream in enumerate(streams):
+        input_ids[b, :len(stream.input_ids)] = torch.tensor(stream.input_ids, dtype=torch.long)
+        attention[b, :len(stream.input_ids)] = 1
+        for a, (t, decision) in enumerate(flat[b]):
+            k = len(decision.candidates)
+            positions[b, a] = decision.position
+            candidates[b, a, :k] = torch.tensor(decision.candidates, dtype=torch.long)
+            candidate_mask[b, a, :k] = True
+            chosen[b, a] = decision.chosen
+            action_step[b, a] = t
+            behaviour[b, a] = decision.logp
+            action_mask[b, a] = True
+        for t, step in enumerate(stream.steps):
+            value_positions[b, t] = step.answer_start - 1
+            rewards[b, t] = step.reward
+            answer_actions[b, t] = len(step.decisions)
+            step_mask[b, t] = True
+    groups = torch.tensor([s.group for s in streams], dtype=torch.long)
+    return StreamBatch(input_ids, attention, positions, candidates, candidate_mask, chosen, action_step, behaviour,
+                       action_mask, value_positions, rewards, answer_actions, step_mask, groups)
+
+
+def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ONE forward pass over the streams: (logp, entropy) of every decision under the constrained policy, each
+    (B, A), and V(s_t) per step (B, T) (None without a value head); zero where masked.
+
+        logp_j    = log softmax(z_j[children_j] / T)[chosen_j]
+        entropy_j = -sum_k p_jk log p_jk  over the children"""
+    empty = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+    _, values, hidden = policy.forward(batch.input_ids, batch.attention_mask, logits_at=empty,
+                                       with_values=with_values)
+    rows = hidden.gather(1, batch.positions[:, :, None].expand(-1, -1, hidden.shape[-1]))  # (B, A, H)
+    n_batch, n_actions, width = batch.candidates.shape
+    logits = restricted_logits(policy.causal_lm.lm_head, rows.reshape(n_batch * n_actions, -1),
+                               batch.candidates.reshape(n_batch * n_actions, width)).view(n_batch, n_actions, width)
+    logits = (logits / temperature).masked_fill(~batch.candidate_mask, float("-inf"))
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, batch.chosen[:, :, None]).squeeze(-1)
+    plogp = torch.where(batch.candidate_mask, log_probs.exp() * log_probs, torch.zeros_like(log_probs))
+    entropy = -plogp.sum(-1)
+    maskf = batch.action_mask.to(logp.dtype)
+    value = None
+    if values is not None:
+        value = values.gather(1, batch.value_positions) * batch.step_mask.to(values.dtype)
+    return logp * maskf, entropy * maskf, value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preference pairs from the policy's own streams
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One context (a stream step's prompt) with a right answer (the gold label) and a wrong one (the label the
+    policy gave there). chosen_ids / rejected_ids: the answers' tokens, end of turn included."""
+
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+    chosen: str
+    rejected: str
+
+
+def mine_preference_pairs(streams: Sequence[Stream], tokens: Tokens) -> list[PreferencePair]:
+    """(right, wrong) answer pairs in the same context: every stream step the policy answered wrong gives
+    (prompt of that step, gold label, the policy's label). Steps it answered right give none (no wrong answer
+    was observed in that context)."""
+    pairs = []
+    for stream in streams:
+        template = stream.task.template
+        for index, step in enumerate(stream.steps):
+            record = step.record
+            if record.reward:
+                continue
+            gold_ids, = candidate_sequences(tokens, template, [record.gold])
+            pairs.append(PreferencePair(tuple(stream.context_ids(index)), tuple(gold_ids), step.answer_ids,
+                                        record.gold, record.prediction))
+    return pairs

@@ -1,0 +1,143 @@
+"""In-context RL streams (icrl_core/streams.py): rendered exactly as the harness renders its contexts, decoded
+by the harness's constrained policy, batched generation equal to one stream at a time, and one forward pass over
+the finished streams giving the generation's log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from icrl_core.config import DataConfig, LoraAdapter, SyntheticSource
+from icrl_core.dataset_build import resolve_sources
+from icrl_core.icrl_eval import Predictor, label_distribution, render_context, render_query
+from icrl_core.kernels import PrefixCache
+from icrl_core.streams import (
+    STREAM_VIEW,
+    collate_streams,
+    generate_streams,
+    mine_preference_pairs,
+    sample_stream_task,
+    stream_outputs,
+    stream_rng,
+)
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from icrl_core.model import load_policy
+
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    with torch.no_grad():  # a non-zero adapter, so the policy differs from the reference
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def task():
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3,
+                      labels_per_episode_min=2)
+    return sample_stream_task(resolve_sources(data, seed=0), data, STEPS, seed=0, key="group-0")
+
+
+@pytest.fixture(scope="module")
+def streams(policy, task):
+    return generate_streams(policy, task, [stream_rng(0, 1, 0, g) for g in range(3)], temperature=1.0)
+
+
+def test_stream_task_follows_the_bootstrap_sampler(task):
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3,
+                      labels_per_episode_min=2)
+    sources = resolve_sources(data, seed=0)
+    assert 2 <= len(task.labels) <= 3 and len(task.queries) == STEPS
+    assert {q.label for q in task.queries} <= set(task.labels)
+    assert sample_stream_task(sources, data, STEPS, seed=0, key="group-0") == task  # deterministic
+    original = {e.text: e.label for e in sources[0].task.train}
+    every_label = {"labels_per_episode": None, "labels_per_episode_min": None}
+    plain = [sample_stream_task(sources, data.model_copy(update=every_label), STEPS, 0, f"g{i}") for i in range(8)]
+    renamed = data.model_copy(update={**every_label, "permute_labels": True})
+    permuted = [sample_stream_task(sources, renamed, STEPS, 0, f"g{i}") for i in range(8)]
+    assert all(q.label == original[q.text] for t in plain for q in t.queries)
+    assert all(sorted(t.labels) == sorted(sources[0].task.labels) for t in permuted)
+    assert any(q.label != original[q.text] for t in permuted for q in t.queries)  # renamed in some group
+
+
+def test_each_step_sees_the_harness_context_and_the_stream_is_one_sequence(policy, task, streams):
+    tokens = policy.tokens
+    for stream in streams:
+        assert len(stream.steps) == STEPS
+        for t, step in enumerate(stream.steps):
+            context, user_open = render_context(tokens, task.template, [s.record for s in stream.steps[:t]],
+                                                STREAM_VIEW)
+            prompt = list(context) + render_query(tokens, task.template, task.queries[t].text, user_open)
+            assert stream.context_ids(t) == prompt
+            end = step.answer_start + len(step.answer_ids)
+            assert tuple(stream.input_ids[step.answer_start:end]) == step.answer_ids
+            assert step.record.reward == int(step.record.prediction == task.queries[t].label)
+        full, _ = render_context(tokens, task.template, [s.record for s in stream.steps], STREAM_VIEW)
+        assert stream.input_ids == list(full)[:len(stream.input_ids)]  # feedback of the last step not included
+        assert "is wrong" in tokens.decode(stream.input_ids) or all(stream.rewards)
+
+
+def test_answers_follow_the_harness_constrained_policy(policy, task, streams):
+    """exp(step log-prob) is the harness's p(label) (label_distribution) in the same context."""
+    predictor = Predictor(policy, policy.tokens, task.template, list(task.labels), PrefixCache(policy), 1.0)
+    for stream in streams[:2]:
+        for t, step in enumerate(stream.steps):
+            context, user_open = render_context(policy.tokens, task.template,
+                                                [s.record for s in stream.steps[:t]], STREAM_VIEW)
+            probs = label_distribution(predictor, context, user_open, task.queries[t].text, 1.0)
+            label = list(task.labels).index(step.record.prediction)
+            assert math.exp(step.logp) == pytest.approx(probs[label], abs=2e-4)
+
+
+def test_batched_generation_equals_one_stream_at_a_time(policy, task, streams):
+    for g, together in enumerate(streams):
+        alone, = generate_streams(policy, task, [stream_rng(0, 1, 0, g)], temperature=1.0)
+        assert alone.input_ids == together.input_ids
+        assert np.allclose([s.logp for s in alone.steps], [s.logp for s in together.steps], atol=1e-4)
+
+
+def test_one_pass_logprobs_equal_the_generation_logprobs(policy, streams):
+    batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, entropy, values = stream_outputs(policy, batch, temperature=1.0, with_values=True)
+    mask = batch.action_mask
+    assert mask.sum() == sum(len(s.decisions) for st in streams for s in st.steps) > 0
+    assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
+    assert (entropy[mask] > 0).all() and (entropy[mask] <= math.log(batch.candidates.shape[-1]) + 1e-5).all()
+    assert values.shape == batch.rewards.shape == (len(streams), STEPS)
+    # the reference (adapters off) is another policy: its log-probs differ
+    with torch.no_grad(), policy.reference():
+        ref_logp, _, _ = stream_outputs(policy, batch, temperature=1.0, with_values=False)
+    assert not torch.allclose(ref_logp[mask], logp[mask], atol=1e-4)
+
+
+def test_one_pass_logprobs_carry_gradients_and_a_subset_of_rows_is_the_same(policy, streams):
+    batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    part = batch.select(torch.tensor([2, 0]))
+    logp, _, _ = stream_outputs(policy, part, temperature=1.0, with_values=False)
+    full, _, _ = stream_outputs(policy, batch, temperature=1.0, with_values=False)
+    assert torch.allclose(logp[0, :part.action_mask[0].sum()], full[2, :part.action_mask[0].sum()], atol=1e-5)
+    logp.sum().backward()
+    grads = [p.grad for n, p in policy.model.named_parameters() if "lora" in n]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    policy.model.zero_grad(set_to_none=True)
+
+
+def test_preference_pairs_are_mined_from_wrong_steps(policy, streams):
+    pairs = mine_preference_pairs(streams, policy.tokens)
+    wrong = [(st, t) for st in streams for t, s in enumerate(st.steps) if not s.record.reward]
+    assert len(pairs) == len(wrong) > 0
+    for pair, (stream, t) in zip(pairs, wrong):
+        step = stream.steps[t]
+        assert pair.prompt_ids == tuple(stream.context_ids(t))
+        assert pair.rejected == step.record.prediction != pair.chosen == step.record.gold
+        assert pair.rejected_ids == step.answer_ids and pair.chosen_ids != pair.rejected_ids
+        assert pair.chosen_ids[-1] == pair.rejected_ids[-1] == policy.tokens.end_of_turn_id

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from icrl_core.objectives import Objective, PPOObjective
 from icrl_core.schema import Section
 
 
@@ -298,6 +299,21 @@ class MixedReward(Section):
 RewardSource = Annotated[Union[TaskReward, ModelReward, MixedReward], Field(discriminator="kind")]
 
 
+class StreamConfig(Section):
+    """ppo.mode=stream (icrl_core/streams.py): each rollout is an in-context RL stream of `steps` queries of a
+    few-way task drawn from data.sources like a bootstrap episode (data.labels_per_episode, data.permute_labels),
+    answered by the harness's constrained decoding at ppo.temperature, with the reward feedback of every past
+    step in context. `group_size` streams share a task and query order."""
+
+    steps: Annotated[int, Field(ge=1, le=256, description="Queries per stream (T).")] = 16
+    group_size: Annotated[int, Field(ge=1, le=64, description="Streams per group (G): same task and query order, "
+                                     "generated together; group objectives compare them.")] = 4
+    groups: Annotated[int, Field(ge=1, description="Groups rolled out per iteration (split over data-parallel "
+                                 "workers).")] = 2
+    eval_groups: Annotated[int, Field(ge=0, description="Validation groups (tasks from the validation pools, the "
+                                      "same ones at every evaluation) run at each evaluation (0: none).")] = 2
+
+
 class PPOConfig(OptimFields):
     """PPO in ICRL mode (stage 5; see docs/PPO.md). One step = one PPO iteration: roll out `rollout_episodes`
     episodes, then `epochs` passes over them in minibatches."""
@@ -350,9 +366,27 @@ class PPOConfig(OptimFields):
     max_new_tokens: Annotated[int, Field(ge=1, le=512, description="Tokens generated per query.")] = 8
     temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the policy in rollouts "
                                         "(the trained policy is softmax(logits / temperature)).")] = 1.0
+    mode: Annotated[Literal["token", "stream"], Field(description="token: rollouts answer the built episodes' "
+                                                      "queries with free generation. stream: each rollout is an "
+                                                      "in-context RL stream (ppo.stream, icrl_core/streams.py), "
+                                                      "answers decoded over the label trie as the harness "
+                                                      "does.")] = "token"
+    stream: StreamConfig = Field(default_factory=StreamConfig, description="Stream rollouts (mode stream).")
+    objective: Objective = Field(default_factory=PPOObjective, description="The policy-optimization objective "
+                                 "(icrl_core/objectives.py): ppo, grpo, rloo, dr_grpo, gspo, opo, aipo. Group "
+                                 "objectives need mode stream.")
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, value head, checkpoints).")] = Path(
         "artifacts/ppo"
     )
+
+    @model_validator(mode="after")
+    def _objective_fits_mode(self) -> PPOConfig:
+        if self.objective.kind != "ppo" and self.mode != "stream":
+            raise ValueError(f"objective.kind={self.objective.kind} compares the streams of a group: set "
+                             "ppo.mode=stream")
+        if self.objective.kind != "ppo" and self.stream.group_size < 2:
+            raise ValueError(f"objective.kind={self.objective.kind} needs ppo.stream.group_size >= 2")
+        return self
 
 
 class AdaptConfig(Section):

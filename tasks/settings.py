@@ -383,9 +383,11 @@ def validate_config(tree: Mapping, origins: Mapping[str, str] | None = None) -> 
 
 
 def with_overrides(config: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
-    """A copy of `config` with dotted-key overrides applied (used by sweeps and flows)."""
+    """A copy of `config` with dotted-key overrides applied (used by sweeps and flows). A `kind` key is applied
+    before its section's other keys: it replaces the section (`deep_merge`), which would drop them."""
     tree = config.model_dump(mode="json")
-    for dotted, value in overrides.items():
+    kinds_first = sorted(overrides.items(), key=lambda item: not str(item[0]).endswith(".kind"))
+    for dotted, value in kinds_first:
         flat: dict = {}
         set_dotted(flat, dotted, value)
         tree = deep_merge(tree, flat)
@@ -458,7 +460,8 @@ def format_validation_error(exc: ValidationError, origins: Mapping[str, str] | N
     for err in exc.errors():
         loc = tuple(err["loc"])
         # drop discriminator tags (e.g. 'lora') from the printed key
-        key = ".".join(str(p) for p in loc if not (isinstance(p, str) and p in _TAGS))
+        # (a tag is never the first part: the top level holds sections, and `ppo` is both a section and a tag)
+        key = ".".join(str(p) for i, p in enumerate(loc) if not (i and isinstance(p, str) and p in _TAGS))
         if err["type"] == "extra_forbidden" and key in RENAMED:
             lines.append(f"  {key}: renamed to {RENAMED[key]}")
         elif err["type"] == "extra_forbidden":
@@ -469,6 +472,8 @@ def format_validation_error(exc: ValidationError, origins: Mapping[str, str] | N
             lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
         elif err["type"] == "union_tag_invalid":
             lines.append(f"  {key}: {err['msg']}")
+        elif err["type"] == "value_error":  # a validator's own message (the input is the whole section)
+            lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
         source = _source_of(key, origins or {})

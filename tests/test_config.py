@@ -328,3 +328,26 @@ def test_config_reference_in_docs_is_generated_from_the_schema():
     result = run_cli("config", "docs")
     assert result.returncode == 0, result.stderr
     assert (ROOT / "docs" / "CONFIG.md").read_text() == result.stdout, "regenerate: icrl config docs --output docs/CONFIG.md"
+
+
+@pytest.mark.parametrize("order", [("kind", "knob"), ("knob", "kind")])
+def test_a_sweep_can_replace_the_objective_by_its_kind(order):
+    """Ray Tune hands a trial {'ppo.objective.kind': ..., ...} in any order; the kind replaces the section first."""
+    base = with_overrides(PipelineConfig(), {"ppo.mode": "stream"})
+    assert base.ppo.objective.kind == "ppo"
+    items = {"kind": ("ppo.objective.kind", "aipo"), "knob": ("ppo.objective.delta", 3.0)}
+    cfg = with_overrides(base, dict(items[key] for key in order))
+    assert cfg.ppo.objective.kind == "aipo" and cfg.ppo.objective.delta == 3.0
+    for kind in ("grpo", "rloo", "dr_grpo", "gspo", "opo", "ppo"):
+        assert with_overrides(cfg, {"ppo.objective.kind": kind}).ppo.objective.kind == kind
+
+
+def test_group_objectives_need_stream_rollouts():
+    with pytest.raises(ConfigError, match=r"ppo: objective.kind=grpo compares the streams of a group: set "
+                                          r"ppo.mode=stream"):
+        load_config(None, ["ppo.objective.kind=grpo"], environ={})
+    with pytest.raises(ConfigError, match=r"needs ppo.stream.group_size >= 2"):
+        load_config(None, ["ppo.mode=stream", "ppo.objective.kind=rloo", "ppo.stream.group_size=1"], environ={})
+    with pytest.raises(ConfigError, match=r"ppo.objective.clip_range: unknown key; allowed keys here: clip_high"):
+        load_config(None, ["ppo.mode=stream", "ppo.objective.kind=grpo", "ppo.objective.clip_range=0.1"],
+                    environ={})

@@ -384,6 +384,9 @@ class PPOConfig(OptimFields):
         if self.objective.kind != "ppo" and self.mode != "stream":
             raise ValueError(f"objective.kind={self.objective.kind} compares the streams of a group: set "
                              "ppo.mode=stream")
+        if self.mode == "stream" and self.reward.kind != "task":
+            raise ValueError(f"reward.kind={self.reward.kind}: stream rollouts are rewarded by the task (the "
+                             "feedback in context is the task reward); use reward.kind=task")
         if self.objective.kind != "ppo" and self.stream.group_size < 2:
             raise ValueError(f"objective.kind={self.objective.kind} needs ppo.stream.group_size >= 2")
         return self

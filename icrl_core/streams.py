@@ -337,8 +337,8 @@ def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: 
     logits = (logits / temperature).masked_fill(~batch.candidate_mask, float("-inf"))
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, batch.chosen[:, :, None]).squeeze(-1)
-    plogp = torch.where(batch.candidate_mask, log_probs.exp() * log_probs, torch.zeros_like(log_probs))
-    entropy = -plogp.sum(-1)
+    # p log p with 0 at the padded candidates (masked_fill, not where: 0 * -inf would poison the gradient)
+    entropy = -(log_probs.exp() * log_probs.masked_fill(~batch.candidate_mask, 0.0)).sum(-1)
     maskf = batch.action_mask.to(logp.dtype)
     value = None
     if values is not None:

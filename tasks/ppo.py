@@ -1,4 +1,6 @@
-"""Stage `ppo`: PPO in ICRL mode (icrl_core/ppo.py, icrl_core/rollout.py) on the built episodes.
+"""Stage `ppo`: PPO in ICRL mode (icrl_core/ppo.py, icrl_core/rollout.py) on the built episodes, or, with
+ppo.mode=stream, on in-context RL streams of tasks drawn from data.sources (icrl_core/stream_rl.py) with the
+objective ppo.objective.
 
 Inputs: data.output_dir/train.jsonl (and val.jsonl for greedy validation), the start adapter ppo.init_adapter
 (default model.init_adapter),
@@ -52,8 +54,15 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     from tasks.runtime import ProgressRuntime
 
     cfg = config.ppo
-    train = read_split(config, "train", required=True)
-    val = read_split(config, "val", required=False)
+    stream_sources = None
+    if cfg.mode == "stream":  # streams draw their tasks from data.sources, not from the built episodes
+        from icrl_core.dataset_build import resolve_sources
+
+        train, val = [], []
+        stream_sources = (resolve_sources(config.data, config.seed), config.data)
+    else:
+        train = read_split(config, "train", required=True)
+        val = read_split(config, "val", required=False)
     init = cfg.init_adapter or config.model.init_adapter
     if init is not None and not (Path(init) / "adapter.safetensors").exists():
         raise UserError(f"ppo.init_adapter {init}: no adapter.safetensors there (run the bootstrap stage first)")
@@ -66,7 +75,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy"))
     try:
         summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress,
-                                            max_episode_tokens(config, policy), scorer)
+                                            max_episode_tokens(config, policy), scorer, stream_sources)
     finally:
         progress.close()
     if runtime.rank == 0:

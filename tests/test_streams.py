@@ -125,9 +125,11 @@ def test_one_pass_logprobs_carry_gradients_and_a_subset_of_rows_is_the_same(poli
     logp, _, _ = stream_outputs(policy, part, temperature=1.0, with_values=False)
     full, _, _ = stream_outputs(policy, batch, temperature=1.0, with_values=False)
     assert torch.allclose(logp[0, :part.action_mask[0].sum()], full[2, :part.action_mask[0].sum()], atol=1e-5)
-    logp.sum().backward()
+    logp, entropy, _ = stream_outputs(policy, part, temperature=1.0, with_values=False)
+    (logp.sum() + entropy.sum()).backward()  # the entropy over padded candidates too: finite gradients
     grads = [p.grad for n, p in policy.model.named_parameters() if "lora" in n]
     assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    assert all(torch.isfinite(g).all() for g in grads if g is not None)
     policy.model.zero_grad(set_to_none=True)
 
 
@@ -141,3 +143,24 @@ def test_preference_pairs_are_mined_from_wrong_steps(policy, streams):
         assert pair.rejected == step.record.prediction != pair.chosen == step.record.gold
         assert pair.rejected_ids == step.answer_ids and pair.chosen_ids != pair.rejected_ids
         assert pair.chosen_ids[-1] == pair.rejected_ids[-1] == policy.tokens.end_of_turn_id
+
+
+def test_streams_of_tasks_with_different_label_counts_train_with_finite_gradients(policy):
+    """Padded candidates (a 2-label stream beside a 3-label one) enter the log-softmax as -inf: the entropy
+    and log-probs must keep finite gradients."""
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3,
+                      labels_per_episode_min=2)
+    sources = resolve_sources(data, seed=0)
+    tasks = [sample_stream_task(sources, data, 3, seed=0, key=f"k{i}") for i in range(20)]
+    two = next(t for t in tasks if len(t.labels) == 2)
+    three = next(t for t in tasks if len(t.labels) == 3)
+    streams = (generate_streams(policy, two, [stream_rng(0, 1, 0, 0)], 1.0, group=0)
+               + generate_streams(policy, three, [stream_rng(0, 1, 1, 0)], 1.0, group=1))
+    batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    assert not batch.candidate_mask[0, :, 2].any() and batch.candidate_mask[1, 0].all()
+    logp, entropy, _ = stream_outputs(policy, batch, temperature=1.0, with_values=False)
+    assert torch.allclose(logp[batch.action_mask], batch.behaviour_logp[batch.action_mask], atol=1e-4)
+    (logp.sum() + entropy.sum()).backward()
+    grads = [p.grad for n, p in policy.model.named_parameters() if "lora" in n and p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    policy.model.zero_grad(set_to_none=True)

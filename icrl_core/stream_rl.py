@@ -1,0 +1,285 @@
+"""The PPO stage in stream mode (`ppo.mode: stream`): roll out in-context RL streams (icrl_core/streams.py) and
+update the policy with the configured objective (`ppo.objective`, icrl_core/objectives.py).
+
+One iteration:
+  1. `ppo.stream.groups` groups, each a task drawn from the training pools (key: seed, step, group) and
+     `group_size` streams of `steps` queries, decoded at ppo.temperature (draws seeded by seed, step, group, stream:
+     a resumed run rolls out the same streams);
+  2. one no-grad pass per chunk of streams for pi_old and, with the adapters disabled, pi_ref (and V(s_t) for ppo);
+  3. per-step advantages:
+       ppo         r_t - beta * KL_t (KL_t = sum of the step's k1 decision KLs), GAE over steps, whitened
+       group kinds R_t = discounted return of the stream (ppo.gamma), group baseline per step position
+  4. `ppo.epochs` passes in minibatches of `ppo.minibatch_size` streams: one forward pass per minibatch gives
+     every decision's constrained log-prob; loss = objective + (group kinds) kl_beta * mean k3 KL
+     - entropy_beta * mean decision entropy (+ vf_coef * value loss for ppo).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from icrl_core.config import DataConfig, PPOConfig
+from icrl_core.distributed import average_gradients, mean_metrics, shard
+from icrl_core.objectives import (
+    aipo_loss,
+    discounted_returns,
+    dr_grpo_loss,
+    grpo_advantages,
+    grpo_loss,
+    gspo_loss,
+    k3_kl,
+    masked_mean,
+    opo_advantages,
+    per_group,
+    policy_gradient_loss,
+    rloo_advantages,
+    step_to_tokens,
+    whiten,
+)
+from icrl_core.ppo import approx_kl, clip_fraction, clipped_policy_loss, clipped_value_loss, explained_variance, \
+    gae_advantages
+from icrl_core.streams import Stream, StreamBatch, collate_streams, generate_streams, sample_stream_task, \
+    stream_outputs, stream_rng
+
+
+def uses_critic(cfg: PPOConfig) -> bool:
+    return cfg.objective.kind == "ppo" and cfg.value_head
+
+
+def step_sums(token_values: torch.Tensor, action_step: torch.Tensor, action_mask: torch.Tensor, n_steps: int
+              ) -> torch.Tensor:
+    """sum over each step's decisions: out[b, t] = sum_a token_values[b, a] [action_step[b, a] == t].
+    (B, A) -> (B, T)."""
+    out = torch.zeros((token_values.shape[0], n_steps), dtype=token_values.dtype)
+    return out.scatter_add(1, action_step, token_values * action_mask.to(token_values.dtype))
+
+
+def group_step_advantages(cfg: PPOConfig, returns: torch.Tensor, step_mask: torch.Tensor, groups: torch.Tensor,
+                          answer_actions: torch.Tensor) -> torch.Tensor:
+    """Per-step advantages of a group objective from the streams' returns (B, T) (see icrl_core/objectives.py)."""
+    kind = cfg.objective.kind
+    if kind in ("grpo", "gspo"):
+        return per_group(grpo_advantages, returns, step_mask, groups, scale=cfg.objective.scale_advantages)
+    if kind in ("dr_grpo", "aipo"):
+        return per_group(grpo_advantages, returns, step_mask, groups, scale=False)
+    if kind == "rloo":
+        return per_group(rloo_advantages, returns, step_mask, groups)
+    if kind == "opo":
+        return per_group(opo_advantages, returns, step_mask, groups, answer_actions)
+    raise ValueError(f"no group advantages for objective {kind}")
+
+
+@dataclass
+class StreamPrepared:
+    """Fixed quantities of one batch of streams (no gradients). Per decision (B, A): old_logp, ref_logp, kl (k1),
+    advantages; per step (B, T): old_values, returns, step_advantages."""
+
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    step_advantages: torch.Tensor
+
+
+@torch.no_grad()
+def prepare_streams(policy, batch: StreamBatch, cfg: PPOConfig, beta: float) -> StreamPrepared:
+    """pi_old and pi_ref log-probs of every decision (and V(s_t) for ppo), then the per-step advantages."""
+    policy.eval()
+    critic = uses_critic(cfg)
+    olds, refs, vals = [], [], []
+    for start in range(0, len(batch), cfg.batch_size):
+        part = batch.select(torch.arange(start, min(start + cfg.batch_size, len(batch))))
+        logp, _, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
+        with policy.reference():
+            ref_logp, _, _ = stream_outputs(policy, part, cfg.temperature, with_values=False)
+        olds.append(logp), refs.append(ref_logp)
+        vals.append(values if values is not None else torch.zeros_like(part.rewards))
+    n_actions = batch.action_mask.shape[1]
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([nn.functional.pad(p, (0, n_actions - p.shape[1])) for p in parts])
+
+    old_logp, ref_logp, old_values = cat(olds), cat(refs), torch.cat(vals)
+    mask, step_mask = batch.action_mask, batch.step_mask
+    kl = (old_logp - ref_logp) * mask
+    if cfg.objective.kind == "ppo":
+        rewards = (batch.rewards - beta * step_sums(kl, batch.action_step, mask, step_mask.shape[1])) * step_mask
+        step_advantages, returns = gae_advantages(rewards, old_values, step_mask, cfg.gamma, cfg.gae_lambda)
+        if cfg.whiten_advantages:
+            step_advantages = whiten(step_advantages, step_mask)
+    else:
+        returns = discounted_returns(batch.rewards, step_mask, cfg.gamma)
+        step_advantages = group_step_advantages(cfg, returns, step_mask, batch.groups, batch.answer_actions)
+    advantages = step_to_tokens(step_advantages, batch.action_step, mask)
+    return StreamPrepared(old_logp, ref_logp, kl, advantages, old_values, returns, step_advantages)
+
+
+def objective_loss(cfg: PPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                   advantages: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """The policy term of `cfg.objective` over decisions (B, A). `normalizer`: Dr.GRPO's constant."""
+    objective = cfg.objective
+    kind = objective.kind
+    if kind == "ppo":
+        return clipped_policy_loss(logp, old_logp, advantages, mask, cfg.clip_range)
+    if kind == "grpo":
+        return grpo_loss(logp, old_logp, advantages, mask, objective.clip_low, objective.clip_high)
+    if kind == "rloo":
+        return grpo_loss(logp, old_logp, advantages, mask, objective.clip_range, objective.clip_range)
+    if kind == "dr_grpo":
+        return dr_grpo_loss(logp, old_logp, advantages, mask, objective.clip_range, normalizer)
+    if kind == "gspo":
+        return gspo_loss(logp, old_logp, advantages, mask, objective.clip_low, objective.clip_high)
+    if kind == "opo":
+        return policy_gradient_loss(logp, old_logp, advantages, mask)
+    if kind == "aipo":
+        return aipo_loss(logp, behaviour_logp, advantages, mask, objective.delta)
+    raise ValueError(f"unknown objective {kind}")
+
+
+def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, prepared: StreamPrepared,
+                  cfg: PPOConfig, beta: float, generator: torch.Generator, scheduler=None) -> dict[str, float]:
+    """`cfg.epochs` passes over the streams in shuffled minibatches of `cfg.minibatch_size`:
+
+        loss = objective (+ kl_beta * mean k3 KL for group kinds) - entropy_beta * entropy (+ vf_coef * L_V)
+
+    gradients averaged across data-parallel workers, clipped to `max_grad_norm`, an optimizer step every
+    `grad_accum` minibatches. Returns this worker's metrics averaged over minibatches."""
+    policy.train()
+    params = policy.trainable_parameters()
+    critic = uses_critic(cfg)
+    kl_in_loss = cfg.objective.kind != "ppo" and beta > 0
+    full_actions = batch.action_mask.shape[1]
+    sums: dict[str, float] = {}
+    count = pending = 0
+    grad_norm = 0.0
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        minibatches = [order[i:i + cfg.minibatch_size] for i in range(0, len(batch), cfg.minibatch_size)]
+        for number, index in enumerate(minibatches):
+            part = batch.select(index)
+            n_actions = part.action_mask.shape[1]
+            old_logp = prepared.old_logp[index, :n_actions]
+            mask = part.action_mask
+            logp, entropy, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
+            policy_loss = objective_loss(cfg, logp, old_logp, part.behaviour_logp,
+                                         prepared.advantages[index, :n_actions], mask,
+                                         normalizer=float(len(index) * full_actions))
+            entropy_mean = masked_mean(entropy, mask)
+            loss = policy_loss - cfg.entropy_beta * entropy_mean
+            kl_term = masked_mean(k3_kl(logp, prepared.ref_logp[index, :n_actions]), mask)
+            if kl_in_loss:
+                loss = loss + beta * kl_term
+            value_loss = torch.zeros(())
+            if values is not None:
+                value_loss = clipped_value_loss(values, prepared.old_values[index], prepared.returns[index],
+                                                part.step_mask, cfg.value_clip)
+                loss = loss + cfg.vf_coef * value_loss
+            (loss / cfg.grad_accum).backward()
+            pending += 1
+            if pending == cfg.grad_accum or number == len(minibatches) - 1:
+                average_gradients(params)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                pending = 0
+            with torch.no_grad():
+                step_metrics = {
+                    "loss": loss.item(), "policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
+                    "entropy": entropy_mean.item(), "kl_k3": kl_term.item(),
+                    "approx_kl": approx_kl(logp, old_logp, mask).item(),
+                    "clip_frac": clip_fraction(logp, old_logp, mask, cfg.clip_range).item(), "grad_norm": grad_norm,
+                }
+            for key, value in step_metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+            count += 1
+    if scheduler is not None:
+        scheduler.step()
+    policy.eval()
+    return {k: v / max(count, 1) for k, v in sums.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rolling out and measuring streams
+
+
+def roll_out(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration: int, groups: Sequence[int],
+             split: str, max_tokens: int) -> list[Stream]:
+    """The streams of `groups` at `iteration` (0: validation): tasks keyed by (split, iteration, group), draws
+    by (seed, iteration, group, stream)."""
+    streams: list[Stream] = []
+    for group in groups:
+        task = sample_stream_task(sources, data, cfg.stream.steps, seed, f"{split}-{iteration}-{group}", split)
+        rngs = [stream_rng(seed, iteration, group, g) for g in range(cfg.stream.group_size)]
+        streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens)
+    return streams
+
+
+def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
+    """Mean reward over all steps and over each half of the streams (the second half above the first: the
+    policy learns within a stream), the answers' mean probability, and how often an answer marked wrong is
+    followed by a different label (a policy that copies its last answer whatever the feedback says: 0)."""
+    rewards = [r for s in streams for r in s.rewards]
+    half = len(streams[0].steps) // 2
+    first = [r for s in streams for r in s.rewards[:half]]
+    second = [r for s in streams for r in s.rewards[half:]]
+    switches = [s.steps[t + 1].record.prediction != s.steps[t].record.prediction
+                for s in streams for t in range(len(s.steps) - 1) if not s.steps[t].record.reward]
+    probs = [float(torch.tensor(step.logp).exp()) for s in streams for step in s.steps]
+    return {
+        "mean_reward": sum(rewards) / len(rewards),
+        "reward_first_half": sum(first) / max(len(first), 1),
+        "reward_second_half": sum(second) / max(len(second), 1),
+        "switch_after_wrong": sum(switches) / len(switches) if switches else float("nan"),
+        "answer_prob": sum(probs) / len(probs),
+    }
+
+
+def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, max_tokens: int
+                     ) -> dict[str, float]:
+    """The validation groups (tasks from the validation pools, the same draws at every evaluation)."""
+    if cfg.stream.eval_groups == 0:
+        return {}
+    streams = roll_out(policy, sources, data, cfg, seed, 0, range(cfg.stream.eval_groups), "val", max_tokens)
+    stats = stream_statistics(streams)
+    return {"val_accuracy": stats["mean_reward"], "val_reward": stats["mean_reward"],
+            "val_reward_first_half": stats["reward_first_half"],
+            "val_reward_second_half": stats["reward_second_half"],
+            "val_switch_after_wrong": stats["switch_after_wrong"]}
+
+
+def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PPOConfig, beta: float, seed: int,
+                step: int, generator: torch.Generator, max_tokens: int) -> dict[str, float]:
+    """One iteration in stream mode: this worker's share of the groups rolled out, prepared, updated."""
+    started = time.perf_counter()
+    streams = roll_out(policy, sources, data, cfg, seed, step, shard(range(cfg.stream.groups)), "train",
+                       max_tokens)
+    rollout_seconds = time.perf_counter() - started
+    batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    prepared = prepare_streams(policy, batch, cfg, beta)
+    metrics = stream_update(policy, optimizer, batch, prepared, cfg, beta, generator, scheduler)
+    mask, step_mask = batch.action_mask, batch.step_mask
+    metrics.update({
+        "kl": float(prepared.kl.sum(1).mean()),
+        "kl_per_token": float(masked_mean(prepared.kl, mask)),
+        "explained_variance": float(explained_variance(prepared.old_values, prepared.returns, step_mask))
+        if uses_critic(cfg) else float("nan"),
+        "return_mean": float(masked_mean(prepared.returns, step_mask)),
+        "advantage_abs": float(masked_mean(prepared.step_advantages.abs(), step_mask)),
+        "action_tokens": float(mask.sum()),
+        "beta": beta,
+        **stream_statistics(streams),
+        "task_accuracy": float(masked_mean(batch.rewards, step_mask)),
+        "rollout_seconds": rollout_seconds,
+        "update_seconds": time.perf_counter() - started - rollout_seconds,
+        "tokens": float(batch.attention_mask.sum()),
+    })
+    metrics = mean_metrics(metrics)
+    metrics["lr"] = optimizer.param_groups[0]["lr"]
+    return metrics

@@ -1,0 +1,155 @@
+"""The PPO stage in stream mode (icrl_core/stream_rl.py): every objective runs an iteration on in-context RL
+streams of the tiny model and moves the adapter; the stage writes its outputs and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from icrl_core.config import DataConfig, LoraAdapter, PPOConfig, SyntheticSource, load_config
+from icrl_core.dataset_build import resolve_sources
+from icrl_core.objectives import OBJECTIVE_KINDS
+from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head
+from icrl_core.stream_rl import group_step_advantages, stream_step, step_sums
+
+T = torch.tensor
+DATA = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)
+
+
+def test_step_sums_add_each_steps_decisions():
+    values = T([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    step = T([[0, 0, 1], [1, 1, 0]])
+    mask = T([[1, 1, 1], [1, 0, 0]]).bool()
+    assert torch.allclose(step_sums(values, step, mask, 2), T([[3.0, 4.0], [0.0, 3.0]]))
+
+
+def test_group_advantages_follow_the_objective():
+    returns = T([[1.0], [0.0], [1.0], [1.0]])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    groups = T([0, 0, 1, 1])
+    lengths = torch.ones(4, 1)
+
+    def cfg(kind: str) -> PPOConfig:
+        return PPOConfig(mode="stream", objective={"kind": kind})
+
+    # group 0: (1, 0) -> rloo (1, -1), centred (0.5, -0.5), normalised 0.5 / std(= 0.7071); group 1: all 0
+    assert torch.allclose(group_step_advantages(cfg("rloo"), returns, mask, groups, lengths), T([[1.], [-1.], [0.], [0.]]))
+    for kind in ("dr_grpo", "aipo", "opo"):
+        out = group_step_advantages(cfg(kind), returns, mask, groups, lengths)
+        assert torch.allclose(out, T([[0.5], [-0.5], [0.0], [0.0]])), kind
+    for kind in ("grpo", "gspo"):
+        out = group_step_advantages(cfg(kind), returns, mask, groups, lengths)
+        assert torch.allclose(out, T([[0.5], [-0.5], [0.0], [0.0]]) / (math.sqrt(0.5) + 1e-4)), kind
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """One tiny LoRA policy with a value head; `fresh` puts back its initial trainable weights."""
+    from icrl_core.model import load_policy
+
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    zero_value_head(policy)
+    return policy
+
+
+def fresh(policy) -> None:
+    from icrl_core.ppo import load_trainable_tensors
+
+    if not hasattr(policy, "_initial"):
+        policy._initial = {k: v.clone() for k, v in trainable_tensors(policy).items()}
+    load_trainable_tensors(policy, policy._initial)
+
+
+@pytest.mark.parametrize("kind", OBJECTIVE_KINDS)
+def test_every_objective_updates_the_policy_from_streams(policy, kind):
+    cfg = PPOConfig(mode="stream", objective={"kind": kind}, stream={"steps": 4, "group_size": 3, "groups": 2},
+                    epochs=1, minibatch_size=3, batch_size=6, learning_rate=1e-2, kl_beta=0.05, temperature=1.0)
+    fresh(policy)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, resolve_sources(DATA, 0), DATA, cfg, cfg.kl_beta, 0, 1,
+                          iteration_generator(0, 1), 2048)
+    assert 0.0 <= metrics["mean_reward"] <= 1.0 and metrics["action_tokens"] >= 6 * 4
+    for key in ("loss", "policy_loss", "entropy", "kl", "approx_kl", "reward_first_half", "answer_prob"):
+        assert math.isfinite(metrics[key]), key
+    assert math.isfinite(metrics["explained_variance"]) == (kind == "ppo")
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.isfinite(v).all() for v in after.values())  # padded candidates must not poison gradients
+
+
+class MemoryRuntime:
+    """The runtime protocol of train_ppo with checkpoints kept in memory."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, checkpoints: list | None = None):
+        self.checkpoints = checkpoints if checkpoints is not None else []
+        self.reports: list[tuple[int, dict]] = []
+
+    def report(self, metrics, step):
+        self.reports.append((step, dict(metrics)))
+
+    def save_checkpoint(self, state):
+        import copy
+
+        self.checkpoints.append(copy.deepcopy(state))
+
+    def load_latest_checkpoint(self):
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def test_stream_training_resumes_exactly(policy):
+    """3 iterations uninterrupted; then 2 iterations (checkpoint after each) and a resume to 3 from the second
+    checkpoint: the same history, evaluations and weights."""
+    from icrl_core.ppo import train_ppo
+
+    cfg = PPOConfig(mode="stream", objective={"kind": "grpo"}, max_steps=3, save_steps=1, eval_steps=3,
+                    stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=1,
+                    minibatch_size=2, batch_size=4, learning_rate=1e-2)
+    sources = (resolve_sources(DATA, 0), DATA)
+
+    def train(config, runtime):
+        return train_ppo(policy, [], [], config, 0, runtime, 2048, None, sources)
+
+    fresh(policy)
+    summary, history, evals = train(cfg, MemoryRuntime())
+    weights = {k: v.clone() for k, v in trainable_tensors(policy).items()}
+    assert [h["step"] for h in history] == [1, 2, 3] and [e["step"] for e in evals] == [0, 3]
+    assert {"mean_reward", "reward_second_half", "switch_after_wrong", "kl"} <= set(history[0])
+    assert "val_reward_second_half" in evals[0] and "val_accuracy_after" in summary
+    fresh(policy)
+    saved: list = []
+    train(cfg.model_copy(update={"max_steps": 2}), MemoryRuntime(saved))
+    fresh(policy)
+    _, resumed, resumed_evals = train(cfg, MemoryRuntime(saved[:2]))
+
+    def timeless(rows):
+        return [{k: (None if v != v else v) for k, v in row.items() if "seconds" not in k} for row in rows]  # NaN
+
+    assert timeless(resumed) == timeless(history) and resumed_evals[-1] == evals[-1]
+    diffs = {k: float((weights[k] - v).abs().max()) for k, v in trainable_tensors(policy).items()}
+    assert not any(diffs.values()), diffs
+
+
+TINY_STREAMS = [
+    "model.spec=tiny", "tracking.enabled=false", "ppo.mode=stream", "ppo.max_steps=2", "ppo.save_steps=1",
+    "ppo.stream={steps: 3, group_size: 2, groups: 1, eval_groups: 1}", "ppo.objective={kind: rloo}",
+    "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.epochs=1", "ppo.eval_steps=2", "ppo.learning_rate=1e-2",
+    "data.sources=[{kind: synthetic, name: keyword_map}]", "data.labels_per_episode=3",
+]
+
+
+def test_stream_stage_needs_no_built_dataset_and_writes_its_outputs(in_tmp):
+    from tasks.ppo import run
+
+    metrics = run(load_config(None, TINY_STREAMS, environ={}))
+    out = in_tmp / "artifacts" / "ppo"
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2] and metrics["iterations"] == 2
+    assert [e["step"] for e in json.loads((out / "evals.json").read_text())] == [0, 2]
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert (out / "adapter" / "adapter.safetensors").exists()

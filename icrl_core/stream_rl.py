@@ -5,7 +5,8 @@ One iteration:
   1. `ppo.stream.groups` groups, each a task drawn from the training pools (key: seed, step, group) and
      `group_size` streams of `steps` queries, decoded at ppo.temperature (draws seeded by seed, step, group, stream:
      a resumed run rolls out the same streams);
-  2. one no-grad pass per chunk of streams for pi_old and, with the adapters disabled, pi_ref (and V(s_t) for ppo);
+  2. one no-grad pass per chunk of streams for pi_old and, with the adapters disabled, pi_ref (and V(s_t) for ppo)
+     (each skipped when not needed, `prepare_streams`);
   3. per-step advantages:
        ppo         r_t - beta * KL_t (KL_t = sum of the step's k1 decision KLs), GAE over steps, whitened
        group kinds R_t = discounted return of the stream (ppo.gamma), group baseline per step position
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from icrl_core.config import DataConfig, PPOConfig
+from icrl_core.config import AdaptiveKL, DataConfig, PPOConfig
 from icrl_core.distributed import average_gradients, mean_metrics, shard
 from icrl_core.objectives import (
     aipo_loss,
@@ -88,17 +89,32 @@ class StreamPrepared:
     step_advantages: torch.Tensor
 
 
+def needs_reference(cfg: PPOConfig, beta: float) -> bool:
+    """The reference pass is skipped when nothing uses the KL: beta 0 and a fixed coefficient."""
+    return beta > 0 or isinstance(cfg.kl_control, AdaptiveKL)
+
+
 @torch.no_grad()
 def prepare_streams(policy, batch: StreamBatch, cfg: PPOConfig, beta: float) -> StreamPrepared:
-    """pi_old and pi_ref log-probs of every decision (and V(s_t) for ppo), then the per-step advantages."""
+    """pi_old and pi_ref log-probs of every decision (and V(s_t) for ppo), then the per-step advantages.
+
+    With one epoch pi_old is the policy that sampled the streams, so the behaviour log-probs recorded at
+    generation serve as pi_old (they equal a recomputation to ~1e-5) and, without a critic, the pass is skipped;
+    without a KL use (`needs_reference`) the reference pass is skipped and the KL reads 0."""
     policy.eval()
     critic = uses_critic(cfg)
+    recompute = cfg.epochs > 1 or critic
+    reference = needs_reference(cfg, beta)
     olds, refs, vals = [], [], []
     for start in range(0, len(batch), cfg.batch_size):
         part = batch.select(torch.arange(start, min(start + cfg.batch_size, len(batch))))
-        logp, _, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
-        with policy.reference():
-            ref_logp, _, _ = stream_outputs(policy, part, cfg.temperature, with_values=False)
+        logp, values = part.behaviour_logp * part.action_mask, None
+        if recompute:
+            logp, _, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
+        ref_logp = logp
+        if reference:
+            with policy.reference():
+                ref_logp, _, _ = stream_outputs(policy, part, cfg.temperature, with_values=False)
         olds.append(logp), refs.append(ref_logp)
         vals.append(values if values is not None else torch.zeros_like(part.rewards))
     n_actions = batch.action_mask.shape[1]
@@ -155,6 +171,7 @@ def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, 
     params = policy.trainable_parameters()
     critic = uses_critic(cfg)
     kl_in_loss = cfg.objective.kind != "ppo" and beta > 0
+    reference = needs_reference(cfg, beta)
     full_actions = batch.action_mask.shape[1]
     sums: dict[str, float] = {}
     count = pending = 0
@@ -173,7 +190,8 @@ def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, 
                                          normalizer=float(len(index) * full_actions))
             entropy_mean = masked_mean(entropy, mask)
             loss = policy_loss - cfg.entropy_beta * entropy_mean
-            kl_term = masked_mean(k3_kl(logp, prepared.ref_logp[index, :n_actions]), mask)
+            kl_term = (masked_mean(k3_kl(logp, prepared.ref_logp[index, :n_actions]), mask) if reference
+                       else torch.tensor(float("nan")))
             if kl_in_loss:
                 loss = loss + beta * kl_term
             value_loss = torch.zeros(())
@@ -265,9 +283,10 @@ def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PP
     prepared = prepare_streams(policy, batch, cfg, beta)
     metrics = stream_update(policy, optimizer, batch, prepared, cfg, beta, generator, scheduler)
     mask, step_mask = batch.action_mask, batch.step_mask
+    unknown = float("nan") if not needs_reference(cfg, beta) else None  # no reference pass: no KL
     metrics.update({
-        "kl": float(prepared.kl.sum(1).mean()),
-        "kl_per_token": float(masked_mean(prepared.kl, mask)),
+        "kl": unknown if unknown is not None else float(prepared.kl.sum(1).mean()),
+        "kl_per_token": unknown if unknown is not None else float(masked_mean(prepared.kl, mask)),
         "explained_variance": float(explained_variance(prepared.old_values, prepared.returns, step_mask))
         if uses_critic(cfg) else float("nan"),
         "return_mean": float(masked_mean(prepared.returns, step_mask)),

@@ -81,6 +81,29 @@ def test_every_objective_updates_the_policy_from_streams(policy, kind):
     assert all(torch.isfinite(v).all() for v in after.values())  # padded candidates must not poison gradients
 
 
+def test_skipped_passes_give_the_same_advantages(policy):
+    """One epoch without KL: pi_old is the generation's behaviour log-prob and no reference pass runs; the
+    advantages and log-probs equal those of the full preparation."""
+    from icrl_core.stream_rl import prepare_streams, roll_out
+    from icrl_core.streams import collate_streams
+
+    fresh(policy)
+    with torch.no_grad():  # a policy that differs from its reference
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    fast = PPOConfig(mode="stream", objective={"kind": "grpo"}, stream={"steps": 3, "group_size": 3, "groups": 2},
+                     epochs=1, kl_beta=0.0)
+    streams = roll_out(policy, resolve_sources(DATA, 0), DATA, fast, 0, 1, range(2), "train", 2048)
+    batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    quick = prepare_streams(policy, batch, fast, beta=0.0)
+    full = prepare_streams(policy, batch, fast.model_copy(update={"epochs": 2}), beta=0.05)
+    assert torch.allclose(quick.old_logp, full.old_logp, atol=1e-4)
+    assert torch.allclose(quick.advantages, full.advantages)
+    assert torch.equal(quick.kl, torch.zeros_like(quick.kl)) and full.kl.abs().sum() > 0
+    fresh(policy)
+
+
 class MemoryRuntime:
     """The runtime protocol of train_ppo with checkpoints kept in memory."""
 

@@ -312,37 +312,52 @@ def prepare(policy, batch: PPOBatch, cfg: PPOConfig, beta: float, chunk: int) ->
 
 def ppo_epochs(policy, optimizer: torch.optim.Optimizer, batch: PPOBatch, prepared: Prepared, cfg: PPOConfig,
                generator: torch.Generator, scheduler=None) -> dict[str, float]:
-    """`cfg.epochs` passes over the batch in shuffled minibatches of `cfg.minibatch_size` episodes:
+    """`cfg.epochs` passes over the batch in shuffled minibatches of `cfg.minibatch_size` episodes
+    (`minibatch_epochs`):
 
-        loss = policy_loss + vf_coef * value_loss - entropy_beta * entropy
+        loss = policy_loss + vf_coef * value_loss - entropy_beta * entropy"""
 
-    gradients averaged across data-parallel workers, clipped to `max_grad_norm`, an optimizer step every
-    `grad_accum` minibatches. Returns this worker's metrics averaged over minibatches."""
+    def minibatch_loss(index: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        part = batch.select(index)
+        a_max = part.action_mask.shape[1]
+        old_logp = prepared.old_logp[index, :a_max]
+        advantages = prepared.advantages[index, :a_max]
+        weights = prepared.weights[index, :a_max]
+        mask = part.action_mask
+        logp, entropy, values = policy_outputs(policy, part, cfg.temperature, with_values=cfg.value_head)
+        policy_loss = clipped_policy_loss(logp, old_logp, advantages, mask, cfg.clip_range, weights)
+        entropy_mean = entropy_bonus(entropy, mask)
+        loss = policy_loss - cfg.entropy_beta * entropy_mean
+        value_loss = torch.zeros(())
+        if values is not None:
+            value_loss = clipped_value_loss(values, prepared.old_values[index, :a_max],
+                                            prepared.returns[index, :a_max], mask, cfg.value_clip)
+            loss = loss + cfg.vf_coef * value_loss
+        with torch.no_grad():
+            metrics = {"loss": loss.item(), "policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
+                       "entropy": entropy_mean.item(), "approx_kl": approx_kl(logp, old_logp, mask).item(),
+                       "clip_frac": clip_fraction(logp, old_logp, mask, cfg.clip_range).item()}
+        return loss, metrics
+
+    return minibatch_epochs(policy, optimizer, len(batch), cfg, generator, minibatch_loss, scheduler)
+
+
+def minibatch_epochs(policy, optimizer: torch.optim.Optimizer, n_items: int, cfg: PPOConfig,
+                     generator: torch.Generator, minibatch_loss, scheduler=None) -> dict[str, float]:
+    """`cfg.epochs` passes over `n_items` rollouts in shuffled minibatches of `cfg.minibatch_size`:
+    `minibatch_loss(index)` -> (loss, metrics) is backpropagated (divided by `grad_accum`), gradients are
+    averaged across data-parallel workers and clipped to `max_grad_norm`, an optimizer step every `grad_accum`
+    minibatches (and after the last of an epoch). Returns this worker's metrics averaged over minibatches."""
     policy.train()
     params = policy.trainable_parameters()
     sums: dict[str, float] = {}
-    count = 0
-    pending = 0
+    count = pending = 0
     grad_norm = 0.0
     for _ in range(cfg.epochs):
-        order = torch.randperm(len(batch), generator=generator)
-        minibatches = [order[i:i + cfg.minibatch_size] for i in range(0, len(batch), cfg.minibatch_size)]
+        order = torch.randperm(n_items, generator=generator)
+        minibatches = [order[i:i + cfg.minibatch_size] for i in range(0, n_items, cfg.minibatch_size)]
         for number, index in enumerate(minibatches):
-            part = batch.select(index)
-            a_max = part.action_mask.shape[1]
-            old_logp = prepared.old_logp[index, :a_max]
-            advantages = prepared.advantages[index, :a_max]
-            weights = prepared.weights[index, :a_max]
-            mask = part.action_mask
-            logp, entropy, values = policy_outputs(policy, part, cfg.temperature, with_values=cfg.value_head)
-            policy_loss = clipped_policy_loss(logp, old_logp, advantages, mask, cfg.clip_range, weights)
-            entropy_mean = entropy_bonus(entropy, mask)
-            loss = policy_loss - cfg.entropy_beta * entropy_mean
-            value_loss = torch.zeros(())
-            if values is not None:
-                value_loss = clipped_value_loss(values, prepared.old_values[index, :a_max],
-                                                prepared.returns[index, :a_max], mask, cfg.value_clip)
-                loss = loss + cfg.vf_coef * value_loss
+            loss, metrics = minibatch_loss(index)
             (loss / cfg.grad_accum).backward()
             pending += 1
             if pending == cfg.grad_accum or number == len(minibatches) - 1:
@@ -351,13 +366,7 @@ def ppo_epochs(policy, optimizer: torch.optim.Optimizer, batch: PPOBatch, prepar
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 pending = 0
-            with torch.no_grad():
-                step_metrics = {
-                    "loss": loss.item(), "policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
-                    "entropy": entropy_mean.item(), "approx_kl": approx_kl(logp, old_logp, mask).item(),
-                    "clip_frac": clip_fraction(logp, old_logp, mask, cfg.clip_range).item(), "grad_norm": grad_norm,
-                }
-            for key, value in step_metrics.items():
+            for key, value in {**metrics, "grad_norm": grad_norm}.items():
                 sums[key] = sums.get(key, 0.0) + value
             count += 1
     if scheduler is not None:

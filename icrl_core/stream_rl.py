@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from icrl_core.config import AdaptiveKL, DataConfig, PPOConfig
-from icrl_core.distributed import average_gradients, mean_metrics, shard
+from icrl_core.distributed import mean_metrics, shard
 from icrl_core.objectives import (
     aipo_loss,
     discounted_returns,
@@ -42,10 +42,24 @@ from icrl_core.objectives import (
     step_to_tokens,
     whiten,
 )
-from icrl_core.ppo import approx_kl, clip_fraction, clipped_policy_loss, clipped_value_loss, explained_variance, \
-    gae_advantages
-from icrl_core.streams import Stream, StreamBatch, collate_streams, generate_streams, sample_stream_task, \
-    stream_outputs, stream_rng
+from icrl_core.ppo import (
+    approx_kl,
+    clip_fraction,
+    clipped_policy_loss,
+    clipped_value_loss,
+    explained_variance,
+    gae_advantages,
+    minibatch_epochs,
+)
+from icrl_core.streams import (
+    Stream,
+    StreamBatch,
+    collate_streams,
+    generate_streams,
+    sample_stream_task,
+    stream_outputs,
+    stream_rng,
+)
 
 
 def uses_critic(cfg: PPOConfig) -> bool:
@@ -161,66 +175,42 @@ def objective_loss(cfg: PPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, b
 
 def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, prepared: StreamPrepared,
                   cfg: PPOConfig, beta: float, generator: torch.Generator, scheduler=None) -> dict[str, float]:
-    """`cfg.epochs` passes over the streams in shuffled minibatches of `cfg.minibatch_size`:
+    """`cfg.epochs` passes over the streams in shuffled minibatches of `cfg.minibatch_size`
+    (`ppo.minibatch_epochs`), each minibatch one forward pass:
 
-        loss = objective (+ kl_beta * mean k3 KL for group kinds) - entropy_beta * entropy (+ vf_coef * L_V)
-
-    gradients averaged across data-parallel workers, clipped to `max_grad_norm`, an optimizer step every
-    `grad_accum` minibatches. Returns this worker's metrics averaged over minibatches."""
-    policy.train()
-    params = policy.trainable_parameters()
+        loss = objective (+ kl_beta * mean k3 KL for group kinds) - entropy_beta * entropy (+ vf_coef * L_V)"""
     critic = uses_critic(cfg)
     kl_in_loss = cfg.objective.kind != "ppo" and beta > 0
     reference = needs_reference(cfg, beta)
     full_actions = batch.action_mask.shape[1]
-    sums: dict[str, float] = {}
-    count = pending = 0
-    grad_norm = 0.0
-    for _ in range(cfg.epochs):
-        order = torch.randperm(len(batch), generator=generator)
-        minibatches = [order[i:i + cfg.minibatch_size] for i in range(0, len(batch), cfg.minibatch_size)]
-        for number, index in enumerate(minibatches):
-            part = batch.select(index)
-            n_actions = part.action_mask.shape[1]
-            old_logp = prepared.old_logp[index, :n_actions]
-            mask = part.action_mask
-            logp, entropy, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
-            policy_loss = objective_loss(cfg, logp, old_logp, part.behaviour_logp,
-                                         prepared.advantages[index, :n_actions], mask,
-                                         normalizer=float(len(index) * full_actions))
-            entropy_mean = masked_mean(entropy, mask)
-            loss = policy_loss - cfg.entropy_beta * entropy_mean
-            kl_term = (masked_mean(k3_kl(logp, prepared.ref_logp[index, :n_actions]), mask) if reference
-                       else torch.tensor(float("nan")))
-            if kl_in_loss:
-                loss = loss + beta * kl_term
-            value_loss = torch.zeros(())
-            if values is not None:
-                value_loss = clipped_value_loss(values, prepared.old_values[index], prepared.returns[index],
-                                                part.step_mask, cfg.value_clip)
-                loss = loss + cfg.vf_coef * value_loss
-            (loss / cfg.grad_accum).backward()
-            pending += 1
-            if pending == cfg.grad_accum or number == len(minibatches) - 1:
-                average_gradients(params)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                pending = 0
-            with torch.no_grad():
-                step_metrics = {
-                    "loss": loss.item(), "policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
-                    "entropy": entropy_mean.item(), "kl_k3": kl_term.item(),
-                    "approx_kl": approx_kl(logp, old_logp, mask).item(),
-                    "clip_frac": clip_fraction(logp, old_logp, mask, cfg.clip_range).item(), "grad_norm": grad_norm,
-                }
-            for key, value in step_metrics.items():
-                sums[key] = sums.get(key, 0.0) + value
-            count += 1
-    if scheduler is not None:
-        scheduler.step()
-    policy.eval()
-    return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def minibatch_loss(index: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        part = batch.select(index)
+        n_actions = part.action_mask.shape[1]
+        old_logp = prepared.old_logp[index, :n_actions]
+        mask = part.action_mask
+        logp, entropy, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
+        policy_loss = objective_loss(cfg, logp, old_logp, part.behaviour_logp, prepared.advantages[index, :n_actions],
+                                     mask, normalizer=float(len(index) * full_actions))
+        entropy_mean = masked_mean(entropy, mask)
+        loss = policy_loss - cfg.entropy_beta * entropy_mean
+        kl_term = (masked_mean(k3_kl(logp, prepared.ref_logp[index, :n_actions]), mask) if reference
+                   else torch.tensor(float("nan")))
+        if kl_in_loss:
+            loss = loss + beta * kl_term
+        value_loss = torch.zeros(())
+        if values is not None:
+            value_loss = clipped_value_loss(values, prepared.old_values[index], prepared.returns[index],
+                                            part.step_mask, cfg.value_clip)
+            loss = loss + cfg.vf_coef * value_loss
+        with torch.no_grad():
+            metrics = {"loss": loss.item(), "policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
+                       "entropy": entropy_mean.item(), "kl_k3": kl_term.item(),
+                       "approx_kl": approx_kl(logp, old_logp, mask).item(),
+                       "clip_frac": clip_fraction(logp, old_logp, mask, cfg.clip_range).item()}
+        return loss, metrics
+
+    return minibatch_epochs(policy, optimizer, len(batch), cfg, generator, minibatch_loss, scheduler)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from icrl_core.icrl_eval import (
 )
 from icrl_core.kernels import ROOT, LabelTrie
 from icrl_core.prompting import PromptTemplate
+from icrl_core.rollout import BatchedCache
 from icrl_core.task_data import Example
 
 # What the policy sees of its past steps: the harness's in-context RL view (system prompt with the feedback
@@ -166,8 +167,6 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     """Run len(rngs) streams of `task` together (one KV cache, each row only growing): at each step render every
     stream's context + query, feed what is new, walk the label trie deciding at each branching node with that
     stream's rng, reward the label, add the episode to its history."""
-    from icrl_core.rollout import BatchedCache
-
     if temperature <= 0:
         raise UserError("stream rollouts sample their answers: the temperature must be > 0")
     policy.eval()

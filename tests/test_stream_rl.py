@@ -176,3 +176,24 @@ def test_stream_stage_needs_no_built_dataset_and_writes_its_outputs(in_tmp):
     assert [e["step"] for e in json.loads((out / "evals.json").read_text())] == [0, 2]
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert (out / "adapter" / "adapter.safetensors").exists()
+
+
+def test_stream_statistics_by_hand():
+    from icrl_core.icrl_eval import EpisodeRecord
+    from icrl_core.stream_rl import stream_statistics
+    from icrl_core.streams import Decision, Stream, StreamStep
+
+    def stream(answers: list[tuple[str, str]]) -> Stream:
+        steps = [StreamStep(EpisodeRecord(t, "q", gold, said, int(gold == said), int(gold == said)), 0, (1,),
+                            [Decision(0, (1, 2), 0, math.log(0.5))]) for t, (gold, said) in enumerate(answers)]
+        return Stream(None, 0, [], steps)
+
+    # stream a: wrong a->a (no switch), wrong a->b (switch), right; stream b: wrong b->b, wrong b->b (no switch)
+    a = stream([("b", "a"), ("b", "a"), ("b", "b"), ("a", "a")])
+    b = stream([("a", "b"), ("a", "b"), ("a", "b"), ("b", "b")])
+    stats = stream_statistics([a, b])
+    assert stats["mean_reward"] == 3 / 8
+    assert stats["reward_first_half"] == 0.0 and stats["reward_second_half"] == 3 / 4
+    # after a wrong answer: a0->a1 same, a1->a2 switch; b0->b1, b1->b2, b2->b3 same -> 1 / 5
+    assert stats["switch_after_wrong"] == pytest.approx(1 / 5)
+    assert stats["answer_prob"] == pytest.approx(0.5)

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from icrl_core.config import DataConfig, LoraAdapter, PPOConfig, SyntheticSource, load_config
+from icrl_core.config import DataConfig, LoraAdapter, PPOConfig, SyntheticSource
+from tasks.settings import load_config
 from icrl_core.dataset_build import resolve_sources
 from icrl_core.objectives import OBJECTIVE_KINDS
 from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head

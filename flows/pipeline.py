@@ -17,7 +17,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-PIPELINE_STAGES = ["build_dataset", "tokenize", "bootstrap", "reward_model", "ppo", "adapt", "evaluate", "promote"]
 PARAMS_FILE = "params.yaml"
 
 
@@ -108,6 +107,7 @@ def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | N
     overrides: dotted config keys written into params.yaml first, e.g. {"ppo.kl_beta": 0.02}.
     stages: run only these stages (in pipeline order); default all."""
     from tasks.settings import load_config
+    from tasks.stages import stage_names
     from tasks.tracking import PARENT_RUN_ENV, pipeline_run
 
     logger = get_run_logger()
@@ -115,10 +115,11 @@ def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | N
         apply_overrides(overrides)
         logger.info("params.yaml updated with %s", overrides)
     config = load_config(PARAMS_FILE if Path(PARAMS_FILE).exists() else None, [])
-    selected = [s for s in PIPELINE_STAGES if stages is None or s in stages]
-    unknown = sorted(set(stages or []) - set(PIPELINE_STAGES))
+    pipeline = stage_names()  # dvc.yaml's stages, in order
+    selected = [s for s in pipeline if stages is None or s in stages]
+    unknown = sorted(set(stages or []) - set(pipeline))
     if unknown:
-        raise ValueError(f"unknown stages {unknown}; stages are {PIPELINE_STAGES}")
+        raise ValueError(f"unknown stages {unknown}; stages are {pipeline}")
     stage_task = dvc_stage.with_options(retries=config.prefect.task_retries,
                                         retry_delay_seconds=config.prefect.retry_delay_seconds)
     results: dict[str, dict] = {}

@@ -2,7 +2,6 @@
 adapts to one request episode at test time."""
 
 import importlib
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,32 +9,25 @@ import typer
 
 from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config
 
-# stage name -> module in tasks/ exposing `run(config) -> dict` (the stage's final metrics)
-STAGES = {
-    "build_dataset": "tasks.build_dataset",
-    "tokenize": "tasks.tokenize",
-    "bootstrap": "tasks.bootstrap",
-    "reward_model": "tasks.reward_model",
-    "ppo": "tasks.ppo",
-    "adapt": "tasks.adapt",
-    "evaluate": "tasks.evaluate",
-    "promote": "tasks.promote",
-}
-
-StageName = Enum("StageName", {name: name for name in STAGES}, type=str)
-
 
 def run_stage(name: str, config) -> dict:
-    """Run one stage in this process; return its final metrics (also written to metrics/<name>.json)."""
-    module = importlib.import_module(STAGES[name])
+    """Run one stage of dvc.yaml (tasks/stages.py) in this process: `run(config)` of tasks/NAME.py; return its
+    final metrics (also written to metrics/<name>.json)."""
+    from icrl_core.errors import UserError
+    from tasks.stages import load_stages
+
+    stages = load_stages()
+    if name not in stages:
+        raise UserError(f"unknown stage '{name}'; the stages of dvc.yaml are {', '.join(stages)}")
+    module = importlib.import_module(stages[name].module)
     return module.run(config)
 
 
 def register(app: typer.Typer) -> None:
     @app.command("stage")
     def stage(
-        name: Annotated[StageName, typer.Argument(help="Stage to run: " + ", ".join(STAGES) + ".",
-                                                  show_default=False)],
+        name: Annotated[str, typer.Argument(help="Stage to run: a stage of dvc.yaml, e.g. ppo.",
+                                            show_default=False)],
         params: ParamsOpt = None,
         overrides: SetOpt = None,
     ) -> None:
@@ -44,7 +36,7 @@ def register(app: typer.Typer) -> None:
         import json
 
         config = resolve_config(params, overrides)
-        metrics = run_stage(name.value, config)
+        metrics = run_stage(name, config)
         console().print_json(json.dumps(metrics, default=str))
 
     @app.command("adapt")

@@ -72,37 +72,13 @@ TrainWorker = Callable[[PipelineConfig, Runtime], dict]
 CHECKPOINT_ROOT = Path(".icrl") / "checkpoints"
 
 
-# The parameters a training stage's result depends on: its own (as dvc.yaml lists them) and, through its input
-# artifacts, those of every upstream stage. tests/test_stage_resume.py checks both maps against dvc.yaml.
-STAGE_PARAMS: dict[str, tuple[str, ...]] = {
-    "build_dataset": ("seed", "model.spec", "data"),
-    "tokenize": ("model.spec", "data.episode_tokens", "tokenize"),
-    "bootstrap": ("seed", "model", "bootstrap", "data.tasks_dir", "ray.num_workers"),
-    "reward_model": ("seed", "model", "reward_model", "ray.num_workers"),
-    "ppo": ("seed", "model", "ppo", "ray.num_workers"),
-    "adapt": ("seed", "model", "adapt"),
-}
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "build_dataset": (),
-    "tokenize": ("build_dataset",),
-    "bootstrap": ("tokenize",),
-    "reward_model": ("tokenize", "bootstrap"),
-    "ppo": ("build_dataset", "bootstrap", "reward_model"),
-    "adapt": ("build_dataset", "ppo"),
-}
-
-
 def stage_param_keys(stage: str) -> list[str]:
-    """Dotted config keys that change `stage`'s result: its own params and its upstream stages', sorted."""
-    keys, todo, seen = set(), [stage], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        keys.update(STAGE_PARAMS[name])
-        todo.extend(STAGE_INPUTS[name])
-    return sorted(keys)
+    """Dotted config keys that change `stage`'s result: the params dvc.yaml gives it and its upstream stages
+    (tasks/stages.py), sorted."""
+    from tasks.stages import load_stages, upstream_closure
+
+    stages = load_stages()
+    return sorted({key for name in upstream_closure(stage) for key in stages[name].params})
 
 
 def config_fingerprint(config: PipelineConfig, stage: str) -> str:

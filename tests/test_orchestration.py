@@ -24,12 +24,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tasks.stages import stage_names
 from tests.conftest import ROOT, TASKS_DIR, own_ray_train_workers
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-STAGES = ["build_dataset", "tokenize", "bootstrap", "reward_model", "ppo", "adapt", "evaluate", "promote"]
+STAGES = stage_names(ROOT)
 
 # The demo pipeline shrunk to seconds per stage: same stages, same params.yaml layout, tiny model.
 TINY_PIPELINE = {

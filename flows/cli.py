@@ -47,22 +47,17 @@ def register(app: typer.Typer) -> None:
 
     @app.command("promote")
     def promote(
-        adapter: Annotated[Optional[Path], typer.Option(help="Adapter folder to register (safetensors). Default: "
-                                                        "evaluate.adapter.", show_default=False)] = None,
-        metric_file: Annotated[Path, typer.Option(help="JSON file with the evaluation metrics (the evaluate "
-                                                  "stage's).")] = Path("metrics/evaluate.json"),
+        metric_file: Annotated[Path, typer.Option(help="JSON file of the evaluation (the evaluate stage's metrics): "
+                                                  "it names the adapter it measured.")] = Path("metrics/evaluate.json"),
         params: ParamsOpt = None,
         overrides: SetOpt = None,
     ) -> None:
-        """Register the adapter as a new MLflow model version; give it the alias `champion` only if its
-        evaluate.metric beats the current champion's and it passed the forgetting check, else `challenger`.
-        Writes metrics/promote.json."""
-        from tasks.settings import with_overrides
+        """Register the adapter the evaluation measured as a new MLflow model version; give it the alias `champion`
+        only if it passes the promotion gates (held-out gain, forgetting, recomputed from the evaluation) and its
+        evaluate.metric beats the current champion's, else `challenger`. Writes metrics/promote.json."""
         from tasks.promote import run
 
         config = resolve_config(params, overrides)
-        if adapter is not None:
-            config = with_overrides(config, {"evaluate.adapter": str(adapter)})
         console().print_json(json.dumps(run(config, metric_file)))
 
     @app.command("up")

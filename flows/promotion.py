@@ -1,4 +1,5 @@
-"""Prefect flow of the model registry: register an adapter and promote it (tasks/registry.py)."""
+"""Prefect flow of the model registry: register the adapter an evaluation measured and promote it through the
+promotion gates (tasks/registry.py: run_promotion, the same path as the promote stage and `icrl promote`)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,20 @@ from prefect.cache_policies import NO_CACHE
 
 
 @task(name="register-and-promote", cache_policy=NO_CACHE)
-def promote_task(adapter_dir: str, metric: float, metric_name: str) -> dict:
-    from pathlib import Path
-
+def promote_task(evaluation: str) -> dict:
     from tasks.settings import load_config
-    from tasks.registry import run_promotion
+    from tasks.promote import run
 
-    return run_promotion(load_config("params.yaml", []), Path(adapter_dir), metric, metric_name, output=None)
+    # output=None: metrics/promote.json belongs to the DVC promote stage
+    return run(load_config("params.yaml", []), evaluation, output=None)
 
 
 @flow(name="icrl-promotion")
-def promotion_flow(adapter_dir: str = "artifacts/ppo/adapter", metric: float = 0.0,
-                   metric_name: str = "icrl_test_accuracy") -> dict:
-    """Register adapter_dir as a new version of tracking.registered_model; alias it `champion` if `metric`
-    beats the current champion's, else `challenger`."""
-    result = promote_task(adapter_dir, metric, metric_name)
+def promotion_flow(evaluation: str = "metrics/evaluate.json") -> dict:
+    """Register the adapter that `evaluation` (the evaluate stage's metrics file) measured as a new version of
+    tracking.registered_model; alias it `champion` only if it passes the promotion gates and its evaluate.metric
+    beats the current champion's, else `challenger`. There is no metric parameter: the metric and the gates come
+    from the evaluation, and the adapter must still hold the bytes that were evaluated."""
+    result = promote_task(evaluation)
     get_run_logger().info("version %s -> %s", result["version"], result["alias"])
     return result

@@ -12,7 +12,7 @@ Runs are computed in work folders under .icrl/evaluations/ (DVC deletes the stag
 stage killed mid-run continues each run from its log; finished runs and forgetting measurements are kept there by
 a hash of what they depend on and reused (`evaluate.reuse_runs`).
 Outputs: evaluate.output_dir/{runs/, learning_curve.png, report.json}, metrics/evaluate.json, an MLflow run.
-`promote` reads `evaluate.metric` and `eligible` (the forgetting check and the held-out gain both passed).
+`promote` reads `evaluate.metric` and recomputes the gates (`gates`: the forgetting check and the held-out gain).
 """
 
 from __future__ import annotations
@@ -457,6 +457,7 @@ def run(config: PipelineConfig) -> dict:
     if cfg.adapter_scale != 1.0:
         adapter = interpolated_adapter(config, adapter, cfg.adapter_scale, out / "adapter")
     metrics["adapter"] = str(adapter)  # the weights evaluated here, and the ones the promote stage registers
+    metrics["adapter_sha256"] = adapter_digest(adapter)  # promotion checks it still holds these bytes
     headline = cfg.strategies[0]
     jobs = [(strategy, which, adapter_dir) for strategy in cfg.strategies
             for which, adapter_dir in (("base", None), ("trained", adapter))]

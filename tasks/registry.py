@@ -4,7 +4,8 @@ A policy version is an MLflow pyfunc model whose artifacts are the adapter folde
 model config names the base model spec, so `models:/<name>@champion` loads back into a working policy
 (`load_registered_policy`) or a pyfunc that answers prompts.
 
-Promotion: the new version gets the alias `champion` only when its evaluation metric beats the current
+Promotion (`run_promotion`, the only path to an alias): the new version gets the alias `champion` only when its
+evaluation passed the gates (`promotion_gates`, recomputed from the measurements) and its metric beats the current
 champion's (or there is none); otherwise it gets `challenger`. The metric and the adapter's sha256 are version
 tags: the same adapter bytes with the same measurement are registered once (a rerun keeps its version and alias).
 """
@@ -138,21 +139,44 @@ def champion_metric(config: PipelineConfig) -> float | None:
     return float(value) if value is not None else None
 
 
-def promote(config: PipelineConfig, version: str, metric: float, min_improvement: float = 0.0,
-            eligible: bool = True) -> Promotion:
-    """Give `version` the alias champion if it is `eligible` (it passed the other gates, e.g. the forgetting
-    check) and `metric` beats the current champion by more than `min_improvement`; else challenger."""
+def _set_alias(config: PipelineConfig, version: str, metric: float, eligible: bool) -> Promotion:
+    """Give `version` the alias champion if it is `eligible` (it passed the gates) and `metric` beats the current
+    champion's; else challenger. Only `run_promotion` calls it, after deciding `eligible` from the measurements."""
     setup(config.tracking)
     import mlflow
 
     client = mlflow.MlflowClient()
     previous = champion_metric(config)
-    better = previous is None or metric > previous + min_improvement
+    better = previous is None or metric > previous
     alias = CHAMPION if eligible and better else CHALLENGER
     client.set_registered_model_alias(config.tracking.registered_model, alias, version)
     log.info("model %s version %s -> %s (metric %.4f, champion %s)", config.tracking.registered_model, version,
              alias, metric, previous)
     return Promotion(config.tracking.registered_model, version, alias, metric, previous)
+
+
+def promotion_gates(config: PipelineConfig, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """What an evaluation says about promotion, decided here and nowhere else: the metric (evaluation's value of
+    evaluate.metric), the gates recomputed from the measurements with this config's thresholds
+    (tasks.evaluate.gates: held-out gain, forgetting), and the adapter, which must still hold the bytes that were
+    evaluated. A caller cannot hand in a metric or an `eligible` flag of its own."""
+    from tasks.evaluate import adapter_digest, gates
+
+    name = config.evaluate.metric
+    if evaluation.get(name) is None:
+        raise UserError(f"the evaluation has no value for evaluate.metric '{name}'")
+    if not evaluation.get("adapter") or not evaluation.get("adapter_sha256"):
+        raise UserError("the evaluation names no adapter with its sha256 (rerun the evaluate stage)")
+    adapter = Path(evaluation["adapter"])
+    if not (adapter / "adapter.safetensors").exists():
+        raise UserError(f"{adapter}: the evaluated adapter is gone (adapter.safetensors missing)")
+    if adapter_digest(adapter) != evaluation["adapter_sha256"]:
+        raise UserError(f"{adapter}: the adapter changed since it was evaluated (rerun the evaluate stage)")
+    try:
+        passed = gates(evaluation, config.evaluate)
+    except KeyError as missing:
+        raise UserError(f"the evaluation lacks {missing}: not the evaluate stage's metrics") from None
+    return {"adapter": adapter, "metric": float(evaluation[name]), "metric_name": name, "gates": passed}
 
 
 def load_registered_policy(uri: str, tracking: str | None = None):
@@ -174,14 +198,17 @@ def load_registered_policy(uri: str, tracking: str | None = None):
     return policy_from_config(ModelConfig.model_validate(model_config["model"]), init_adapter=adapter)
 
 
-def run_promotion(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str,
-                  output: Path | None = Path("metrics/promote.json"), eligible: bool = True,
-                  evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Register the adapter (with its `evaluation` metrics) and promote it; write the outcome to `output` (the DVC
-    metrics file)."""
+def run_promotion(config: PipelineConfig, evaluation: dict[str, Any],
+                  output: Path | None = Path("metrics/promote.json")) -> dict[str, Any]:
+    """The one path to an alias (the promote stage, `icrl promote`, the icrl-promotion flow and deployment): register
+    the adapter `evaluation` (the evaluate stage's metrics) measured, with those metrics, and promote it through
+    `promotion_gates`; write the outcome to `output` (the DVC metrics file)."""
     from tasks.runtime import write_stage_metrics
 
-    existing = registered_version(config, adapter_dir, metric, metric_name)
+    decided = promotion_gates(config, evaluation)
+    adapter, metric, metric_name = decided["adapter"], decided["metric"], decided["metric_name"]
+    eligible = bool(decided["gates"]["eligible"])
+    existing = registered_version(config, adapter, metric, metric_name)
     if existing is not None and existing.aliases:
         # registered and decided before: its alias stands (promoting it against itself would demote a champion)
         alias = CHAMPION if CHAMPION in existing.aliases else existing.aliases[0]
@@ -192,9 +219,10 @@ def run_promotion(config: PipelineConfig, adapter_dir: Path, metric: float, metr
                  config.tracking.registered_model, existing.version, alias)
     else:
         version = (str(existing.version) if existing is not None
-                   else register_policy(config, adapter_dir, metric, metric_name, evaluation=evaluation))
-        result = promote(config, version, metric, eligible=eligible).as_dict()
-    result["eligible"] = eligible
+                   else register_policy(config, adapter, metric, metric_name, evaluation=evaluation))
+        result = _set_alias(config, version, metric, eligible).as_dict()
+    result.update(decided["gates"])
+    result["adapter"] = str(adapter)
     result["tracking_uri"] = tracking_uri(config.tracking)
     if output is not None:
         write_stage_metrics(Path(output).stem, result, Path(output).parent)

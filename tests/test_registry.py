@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tasks.settings import load_config
+from icrl_core.errors import UserError
 from icrl_core.model import load_policy
 from tasks.registry import CHALLENGER, CHAMPION, load_registered_policy, run_promotion
 
@@ -26,25 +27,38 @@ def _adapter(tmp_path, seed):
     return policy, folder
 
 
+def _evaluation(adapter, accuracy, **measured):
+    """What the evaluate stage reports about `adapter`: its metric, the gate measurements, the adapter's bytes."""
+    from tasks.evaluate import adapter_digest
+
+    return {"adapter": str(adapter), "adapter_sha256": adapter_digest(adapter), "accuracy": accuracy,
+            "gain": 0.1, "forgetting_drop": 0.0, **measured}
+
+
 def test_register_promote_and_load_back_by_alias(in_tmp):
     config = load_config(None, ["model.spec=tiny", "model.adapter={kind: lora, rank: 4}",
-                                "tracking.registered_model=icrl-test"], environ={})
+                                "tracking.registered_model=icrl-test", "evaluate.metric=accuracy",
+                                "evaluate.max_forgetting=0.02"], environ={})
     first_policy, first = _adapter(in_tmp, 1)
     _, second = _adapter(in_tmp, 2)
     _, third = _adapter(in_tmp, 3)
+    _, fourth = _adapter(in_tmp, 4)
 
-    r1 = run_promotion(config, first, 0.50, "accuracy")
-    assert r1["alias"] == CHAMPION and r1["previous_champion_metric"] is None
-    r2 = run_promotion(config, second, 0.40, "accuracy")  # worse: challenger, champion unchanged
+    r1 = run_promotion(config, _evaluation(first, 0.50))
+    assert r1["alias"] == CHAMPION and r1["previous_champion_metric"] is None and r1["eligible"]
+    r2 = run_promotion(config, _evaluation(second, 0.40))  # worse: challenger, champion unchanged
     assert r2["alias"] == CHALLENGER and r2["previous_champion_metric"] == 0.50
-    # better: new champion, registered with the evaluation that earned it
-    r3 = run_promotion(config, third, 0.60, "accuracy",
-                       evaluation={"accuracy": 0.60, "forgetting_drop": 0.01, "eligible": True, "task": "toy"})
-    assert r3["alias"] == CHAMPION and r3["version"] == "3"
+    # better but failing a gate: challenger, whatever `eligible` the evaluation file claims (the gates are
+    # recomputed from the measurements with this config's thresholds)
+    forgot = run_promotion(config, _evaluation(fourth, 0.90, forgetting_drop=0.05, eligible=True))
+    assert forgot["alias"] == CHALLENGER and not forgot["passes_forgetting"] and not forgot["eligible"]
+    # better and passing: new champion, registered with the evaluation that earned it
+    r3 = run_promotion(config, _evaluation(third, 0.60, forgetting_drop=0.01, eligible=True, task="toy"))
+    assert r3["alias"] == CHAMPION and r3["version"] == "4"
     assert (in_tmp / "metrics" / "promote.json").exists()
     # the promote stage run again on the same adapter bytes and measurement: no copy, the champion stays champion
-    again = run_promotion(config, third, 0.60, "accuracy")
-    assert (again["version"], again["alias"], again["already_registered"]) == ("3", CHAMPION, True)
+    again = run_promotion(config, _evaluation(third, 0.60))
+    assert (again["version"], again["alias"], again["already_registered"]) == ("4", CHAMPION, True)
     # a version registered before versions carried the adapter digest is recognised by its logged adapter (and
     # tagged on the way)
     import mlflow
@@ -53,17 +67,24 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
     from tasks.registry import ADAPTER_TAG
 
     client = mlflow.MlflowClient()
-    client.delete_model_version_tag("icrl-test", "3", ADAPTER_TAG)
-    untagged = run_promotion(config, third, 0.60, "accuracy")
-    assert (untagged["version"], untagged["alias"], untagged["already_registered"]) == ("3", CHAMPION, True)
-    assert client.get_model_version("icrl-test", "3").tags[ADAPTER_TAG] == adapter_digest(third)
+    client.delete_model_version_tag("icrl-test", "4", ADAPTER_TAG)
+    untagged = run_promotion(config, _evaluation(third, 0.60))
+    assert (untagged["version"], untagged["alias"], untagged["already_registered"]) == ("4", CHAMPION, True)
+    assert client.get_model_version("icrl-test", "4").tags[ADAPTER_TAG] == adapter_digest(third)
     # the same weights measured differently are a new version, judged afresh
-    remeasured = run_promotion(config, third, 0.55, "accuracy")
-    assert remeasured["version"] == "4" and remeasured["alias"] == CHALLENGER
+    remeasured = run_promotion(config, _evaluation(third, 0.55))
+    assert remeasured["version"] == "5" and remeasured["alias"] == CHALLENGER
+    # no path around the gates: a metric without an evaluation of these adapter bytes is refused
+    changed = _evaluation(first, 0.99)
+    changed["adapter_sha256"] = "0" * 64
+    with pytest.raises(UserError, match="changed since it was evaluated"):
+        run_promotion(config, changed)
+    with pytest.raises(UserError, match="names no adapter"):
+        run_promotion(config, {"accuracy": 0.99, "eligible": True})
 
-    assert str(client.get_model_version_by_alias("icrl-test", CHAMPION).version) == "3"
-    assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "4"  # the latest challenger
-    source = client.get_run(client.get_model_version("icrl-test", "3").run_id).data
+    assert str(client.get_model_version_by_alias("icrl-test", CHAMPION).version) == "4"
+    assert str(client.get_model_version_by_alias("icrl-test", CHALLENGER).version) == "5"  # the latest challenger
+    source = client.get_run(client.get_model_version("icrl-test", "4").run_id).data
     assert source.metrics["accuracy"] == 0.60 and source.metrics["forgetting_drop"] == 0.01
     assert source.tags["icrl.eval.eligible"] == "True" and source.tags["icrl.eval.task"] == "toy"
 
@@ -74,3 +95,12 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
     champion = mlflow.pyfunc.load_model("models:/icrl-test@champion")
     answers = champion.predict(["What is 2 + 2?"], params={"max_new_tokens": 4})
     assert isinstance(answers, list) and len(answers) == 1
+
+
+def test_the_promotion_flow_takes_an_evaluation_not_a_metric():
+    """The icrl-promotion flow (and so its deployment) cannot be handed a metric or an eligibility."""
+    import inspect
+
+    from flows.promotion import promotion_flow
+
+    assert list(inspect.signature(promotion_flow.fn).parameters) == ["evaluation"]

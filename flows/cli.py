@@ -47,8 +47,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("promote")
     def promote(
-        metric_file: Annotated[Path, typer.Option(help="JSON file of the evaluation (the evaluate stage's metrics): "
-                                                  "it names the adapter it measured.")] = Path("metrics/evaluate.json"),
+        metric_file: Annotated[Optional[Path], typer.Option(
+            help="JSON file of the evaluation (the evaluate stage's full metrics; it names the adapter it measured). "
+            "Default: evaluate.output_dir/metrics.json.", show_default=False)] = None,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
     ) -> None:
@@ -124,18 +125,8 @@ def run_pipeline_with_summary(out) -> dict:
     results = _run_pipeline()
     seconds = time.perf_counter() - started
     table = Table("stage", "result")
-    rows = {
-        "build_dataset": ("train_episodes", "val_episodes", "shaved_episodes"),
-        "bootstrap": ("val_answer_accuracy", "val_kl"),
-        "reward_model": ("val_pairwise_accuracy", "val_margin"),
-        "ppo": ("mean_reward_first_20pct", "mean_reward_last_20pct", "val_accuracy_before", "val_accuracy_after"),
-        "adapt": ("mean_reward_before", "mean_reward_after"),
-        "evaluate": ("base_final_test_accuracy", "trained_final_test_accuracy", "forgetting_drop"),
-        "promote": ("version", "alias", "metric"),
-    }
-    for stage, keys in rows.items():
-        metrics = results.get(stage, {})
-        shown = ", ".join(f"{k}={_fmt(metrics[k])}" for k in keys if k in metrics)
+    for stage, metrics in results.items():  # each stage's headline numbers (metrics/STAGE.json)
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
         table.add_row(stage, shown or "(see metrics/%s.json)" % stage)
     out.print(table)
     out.print(f"pipeline wall time {seconds / 60:.1f} min; metrics in metrics/, artifacts in artifacts/, runs in "

@@ -17,7 +17,7 @@ def promote_task(evaluation: str) -> dict:
 
 
 @flow(name="icrl-promotion")
-def promotion_flow(evaluation: str = "metrics/evaluate.json") -> dict:
+def promotion_flow(evaluation: str = "artifacts/evaluate/metrics.json") -> dict:
     """Register the adapter that `evaluation` (the evaluate stage's metrics file) measured as a new version of
     tracking.registered_model; alias it `champion` only if it passes the promotion gates and its evaluate.metric
     beats the current champion's, else `challenger`. There is no metric parameter: the metric and the gates come

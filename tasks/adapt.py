@@ -19,6 +19,7 @@ from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "adapt"
+HEADLINE = ("mean_reward_before", "mean_reward_after")  # metrics/adapt.json; the rest: output_dir/report.json
 
 
 def start_adapter(config: PipelineConfig) -> Path | None:
@@ -140,5 +141,5 @@ def run(config: PipelineConfig) -> dict:
         metrics["seconds"] = round(time.perf_counter() - started, 2)
         tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         tracker.log_artifact(Path(config.adapt.output_dir) / "report.json")
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
     return metrics

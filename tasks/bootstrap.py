@@ -16,6 +16,7 @@ from pathlib import Path
 from tasks.settings import PipelineConfig
 
 STAGE = "bootstrap"
+HEADLINE = ("val_answer_accuracy", "val_kl")  # metrics/bootstrap.json; the rest: output_dir/metrics.json
 
 
 def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]], title: str) -> None:
@@ -125,5 +126,5 @@ def run(config: PipelineConfig) -> dict:
         atomic_write_json(out / "metrics.json", metrics)
         tracker.log_artifact(out / "adapter", "adapter")
         tracker.log_artifact(out / "curves.png")
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
     return metrics

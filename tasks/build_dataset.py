@@ -14,6 +14,7 @@ from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "build_dataset"
+HEADLINE = ("train_episodes", "val_episodes")  # metrics/build_dataset.json; the rest: the dataset card
 N_SAMPLES = 3
 
 
@@ -113,7 +114,7 @@ def run(config: PipelineConfig) -> dict:
         tracker.log_metrics(metrics)
         for key in ("card", "card_md", "samples"):
             tracker.log_artifact(files[key], "dataset")
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
     console(stderr=True).print(f"dataset: {metrics['train_episodes']} train + {metrics['val_episodes']} val "
                                f"episodes, {metrics['tokens']} tokens, {metrics['shaved_episodes']} shaved -> "
                                f"{files['train'].parent}")

@@ -11,7 +11,8 @@ jobs of one pool,
 Runs are computed in work folders under .icrl/evaluations/ (DVC deletes the stage's outs before it runs), so a
 stage killed mid-run continues each run from its log; finished runs and forgetting measurements are kept there by
 a hash of what they depend on and reused (`evaluate.reuse_runs`).
-Outputs: evaluate.output_dir/{runs/, learning_curve.png, report.json}, metrics/evaluate.json, an MLflow run.
+Outputs: evaluate.output_dir/{runs/, learning_curve.png, report.json, metrics.json}, metrics/evaluate.json (the
+headline), an MLflow run.
 `promote` reads `evaluate.metric` and recomputes the gates (`gates`: the forgetting check and the held-out gain).
 """
 
@@ -24,6 +25,8 @@ from tasks.settings import PipelineConfig, with_overrides
 from icrl_core.errors import UserError
 
 STAGE = "evaluate"
+# metrics/evaluate.json: evaluate.metric and these; the full record is evaluate.output_dir/metrics.json
+HEADLINE = ("base_final_test_accuracy", "trained_final_test_accuracy", "gain", "forgetting_drop", "eligible")
 
 
 def _eval_config(config: PipelineConfig, strategy: str, which: str, adapter: Path | None) -> PipelineConfig:
@@ -508,8 +511,9 @@ def run(config: PipelineConfig) -> dict:
         metrics.update(gates(metrics, cfg))
         metrics["seconds"] = round(time.perf_counter() - started, 1)
         atomic_write_json(out / "report.json", report)
+        atomic_write_json(out / "metrics.json", metrics)  # the full record; what the promote stage reads
         tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         for item in ("learning_curve.png", "report.json", "runs"):
             tracker.log_artifact(out / item, None if item != "runs" else "runs")
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=(cfg.metric, *HEADLINE))
     return metrics

@@ -19,6 +19,7 @@ from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "ppo"
+HEADLINE = ("mean_reward_last_20pct", "val_accuracy_after")  # metrics/ppo.json; the rest: output_dir/metrics.json
 
 
 def read_split(config: PipelineConfig, split: str, required: bool):
@@ -146,5 +147,5 @@ def run(config: PipelineConfig) -> dict:
         tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         for name in ("adapter", "history.json", "evals.json", "reward_curve.png", "metrics.json"):
             tracker.log_artifact(out / name, "adapter" if name == "adapter" else None)
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
     return metrics

@@ -2,7 +2,7 @@
 only if it passes the promotion gates (recomputed from the evaluation: held-out gain, forgetting; see
 tasks/registry.py: promotion_gates) AND beats the current champion on `evaluate.metric`; otherwise `challenger`.
 The adapter is the one the evaluation measured (evaluate.adapter, or its interpolation toward the base), checked
-by its sha256. Reads metrics/evaluate.json; writes metrics/promote.json."""
+by its sha256. Reads evaluate.output_dir/metrics.json; writes metrics/promote.json."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "promote"
-EVALUATION = Path("metrics/evaluate.json")
+HEADLINE = ("version", "alias", "metric", "eligible")  # metrics/promote.json; the whole outcome goes to MLflow
+
+
+def evaluation_file(config: PipelineConfig) -> Path:
+    """The evaluate stage's full metrics (its headline is metrics/evaluate.json)."""
+    return Path(config.evaluate.output_dir) / "metrics.json"
 
 
 def read_evaluation(path: Path | str) -> dict:
@@ -31,8 +36,14 @@ def read_evaluation(path: Path | str) -> dict:
     return metrics
 
 
-def run(config: PipelineConfig, evaluation: Path | str = EVALUATION,
-        output: Path | None = Path("metrics/promote.json")) -> dict:
+def run(config: PipelineConfig, evaluation: Path | str | None = None,
+        output: Path | None = Path("metrics") / f"{STAGE}.json") -> dict:
+    """Promote what `evaluation` (default: evaluate.output_dir/metrics.json) measured; write the headline of the
+    outcome to `output` (None: nowhere)."""
     from tasks.registry import run_promotion
+    from tasks.runtime import write_stage_metrics
 
-    return run_promotion(config, read_evaluation(evaluation), output=output)
+    result = run_promotion(config, read_evaluation(evaluation or evaluation_file(config)))
+    if output is not None:
+        write_stage_metrics(Path(output).stem, result, Path(output).parent, headline=HEADLINE)
+    return result

@@ -198,13 +198,10 @@ def load_registered_policy(uri: str, tracking: str | None = None):
     return policy_from_config(ModelConfig.model_validate(model_config["model"]), init_adapter=adapter)
 
 
-def run_promotion(config: PipelineConfig, evaluation: dict[str, Any],
-                  output: Path | None = Path("metrics/promote.json")) -> dict[str, Any]:
+def run_promotion(config: PipelineConfig, evaluation: dict[str, Any]) -> dict[str, Any]:
     """The one path to an alias (the promote stage, `icrl promote`, the icrl-promotion flow and deployment): register
     the adapter `evaluation` (the evaluate stage's metrics) measured, with those metrics, and promote it through
-    `promotion_gates`; write the outcome to `output` (the DVC metrics file)."""
-    from tasks.runtime import write_stage_metrics
-
+    `promotion_gates`; return the outcome."""
     decided = promotion_gates(config, evaluation)
     adapter, metric, metric_name = decided["adapter"], decided["metric"], decided["metric_name"]
     eligible = bool(decided["gates"]["eligible"])
@@ -224,7 +221,5 @@ def run_promotion(config: PipelineConfig, evaluation: dict[str, Any],
     result.update(decided["gates"])
     result["adapter"] = str(adapter)
     result["tracking_uri"] = tracking_uri(config.tracking)
-    if output is not None:
-        write_stage_metrics(Path(output).stem, result, Path(output).parent)
     log.info("%s", json.dumps(result))
     return result

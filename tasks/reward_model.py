@@ -14,6 +14,7 @@ from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "reward_model"
+HEADLINE = ("val_pairwise_accuracy",)  # metrics/reward_model.json; the rest: output_dir/metrics.json
 
 
 def model_dir(config: PipelineConfig) -> Path:
@@ -83,5 +84,5 @@ def run(config: PipelineConfig) -> dict:
         atomic_write_json(Path(config.reward_model.output_dir) / "metrics.json", metrics)
         tracker.log_artifact(model_dir(config), "reward_model")
         tracker.log_artifact(Path(config.reward_model.output_dir) / "curves.png")
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
     return metrics

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -122,10 +122,13 @@ def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracke
     return result
 
 
-def write_stage_metrics(stage: str, metrics: Mapping[str, object], root: Path | str = "metrics") -> Path:
-    """metrics/<stage>.json, written atomically (DVC reads it as the stage's metrics file)."""
+def write_stage_metrics(stage: str, metrics: Mapping[str, object], root: Path | str = "metrics",
+                        headline: Iterable[str] | None = None) -> Path:
+    """metrics/<stage>.json, written atomically: DVC's metrics file of the stage. With `headline`, only those keys
+    (the ones present): `dvc metrics show` puts every stage's keys side by side in one table, so a stage declares
+    its few headline numbers there and keeps the full record in its own outputs."""
     path = Path(root) / f"{stage}.json"
-    atomic_write_json(path, dict(metrics))
+    atomic_write_json(path, dict(metrics) if headline is None else {k: metrics[k] for k in headline if k in metrics})
     return path
 
 

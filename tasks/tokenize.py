@@ -13,6 +13,7 @@ from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 
 STAGE = "tokenize"
+HEADLINE = ("sequences", "tokens")  # metrics/tokenize.json; the rest: output_dir/stats.json
 
 
 def read_split(path: Path):
@@ -92,7 +93,7 @@ def run(config: PipelineConfig) -> dict:
         tracker.log_metrics(metrics)
         tracker.log_artifact(path.parent / "stats.json", "tokenized")
         tracker.log_artifact(path.parent / "manifest.json", "tokenized")
-    write_stage_metrics(STAGE, metrics)
+    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
     console(stderr=True).print(
         f"tokenized -> {path}: {metrics['sequences']} sequences ({metrics['train_sequences']} train, "
         f"{metrics['val_sequences']} val), {metrics['tokens']} tokens, mean length {metrics['mean_length']}, "

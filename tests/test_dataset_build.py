@@ -277,4 +277,5 @@ def test_build_stage_writes_splits_card_and_samples(in_tmp):
     assert card["per_source"] == {"synthetic:keyword_map": 40} and card["splits"]["val"] == len(val)
     assert "# Dataset card" in (out / "card.md").read_text()
     assert "[[ " in (out / "samples.md").read_text()
-    assert json.loads((in_tmp / "metrics" / "build_dataset.json").read_text())["episodes"] == 40
+    headline = json.loads((in_tmp / "metrics" / "build_dataset.json").read_text())
+    assert headline == {"train_episodes": len(train), "val_episodes": len(val)}

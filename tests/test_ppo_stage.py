@@ -31,7 +31,7 @@ def _cli_args(overrides: list[str]) -> list[str]:
 
 
 def _final_metrics(folder: Path) -> dict:
-    metrics = json.loads((folder / "metrics" / "ppo.json").read_text())
+    metrics = json.loads((folder / "artifacts" / "ppo" / "metrics.json").read_text())
     metrics.pop("seconds")
     return metrics
 
@@ -53,7 +53,9 @@ def test_ppo_stage_writes_outputs_and_uses_a_reward_model(in_tmp):
     assert [h["step"] for h in history] == [1, 2]
     assert isinstance(json.loads((out / "evals.json").read_text()), list)
     assert (out / "reward_curve.png").stat().st_size > 1000
-    assert json.loads((in_tmp / "metrics" / "ppo.json").read_text())["iterations"] == 2
+    assert json.loads((out / "metrics.json").read_text())["iterations"] == 2
+    assert set(json.loads((in_tmp / "metrics" / "ppo.json").read_text())) == {"mean_reward_last_20pct",
+                                                                               "val_accuracy_after"}
     for key in ("mean_reward_first_20pct", "mean_reward_last_20pct", "final_kl", "final_entropy",
                 "final_clip_frac", "final_approx_kl", "final_value_loss", "final_explained_variance",
                 "val_accuracy_before", "val_accuracy_after"):

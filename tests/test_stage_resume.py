@@ -81,7 +81,7 @@ def test_bootstrap_resumes_after_sigkill_and_refuses_a_corrupt_checkpoint(tmp_pa
     a = load_file(str(first / "artifacts/bootstrap/adapter/adapter.safetensors"))
     b = load_file(str(killed / "artifacts/bootstrap/adapter/adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((killed / "metrics/bootstrap.json").read_text())["step"] == 8
+    assert json.loads((killed / "artifacts/bootstrap/metrics.json").read_text())["step"] == 8
 
 
 def test_checkpoint_key_changes_only_with_what_the_stage_depends_on():

@@ -46,7 +46,7 @@ bench: setup
 	$(PY) bench/icrl_eval_speed.py
 	$(PY) bench/ppo_step.py
 
-# Writes experiments/icrl_skill.yaml into params.yaml (git checkout params.yaml restores the demo).
+# A DVC experiment with experiments/icrl_skill.yaml's params (`dvc exp show` lists it; params.yaml is unchanged).
 experiment: setup
 	$(ICRL) pipeline --experiment experiments/icrl_skill.yaml
 

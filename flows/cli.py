@@ -18,21 +18,32 @@ def register(app: typer.Typer) -> None:
         overrides: SetOpt = None,
         experiment: Annotated[Optional[list[Path]], typer.Option(
             "--experiment", "-e", help="Config file layered after the -c files (after ./params.yaml by default), "
-            "e.g. experiments/icrl_skill.yaml; repeatable.", show_default=False)] = None,
+            "e.g. experiments/icrl_skill.yaml; repeatable. The run is a DVC experiment named after the last one.",
+            show_default=False)] = None,
+        name: Annotated[Optional[str], typer.Option(
+            "--name", "-n", help="Name of the DVC experiment (with -c/--experiment/--set). Default: the experiment "
+            "file's name or the flow run's, and the time.", show_default=False)] = None,
     ) -> None:
         """Run the training pipeline as a Prefect flow: each stage is a task that runs `dvc repro` of that
         stage (so unchanged stages are skipped), training stages run as Ray Train jobs, and everything is
-        logged to MLflow under one pipeline run, ending with a registered, promoted model version.
+        logged to MLflow under one pipeline run, ending with a registered, promoted model version. One run at
+        a time per project folder (a second waits).
 
-        The stages read params.yaml (that is what DVC tracks), so the layered config files and --set are first
-        written into params.yaml, only the keys whose values change (like `dvc exp run -S`; `git checkout
-        params.yaml` undoes it). ICRL_* variables reach the stages through the environment."""
+        The stages read params.yaml (that is what DVC tracks). When the layered config files and --set change
+        it, the run is a DVC experiment (like `dvc exp run -S`): the changed keys are written into params.yaml for
+        the run, `dvc exp show` lists it with its params and metrics, and params.yaml is unchanged afterwards
+        (`dvc exp apply NAME` brings its results into the workspace). ICRL_* variables reach the stages through
+        the environment."""
+        import time
+
         from tasks.cli_common import DEFAULT_PARAMS, config_files
         from tasks.settings import params_file_overrides
 
         files = config_files(params) + list(experiment or [])
         flat = params_file_overrides(DEFAULT_PARAMS, files, overrides or [])
-        results = _run_pipeline(overrides=flat or None, stages=stages or None)
+        if name is None and experiment:
+            name = f"{experiment[-1].stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        results = _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name)
         console().print_json(json.dumps(results, default=str))
 
     @app.command("sweep")

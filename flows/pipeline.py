@@ -3,21 +3,33 @@ whose command (dvc.yaml) is `icrl stage STAGE`, which runs the stage module in t
 Train jobs). So Prefect calls DVC, DVC calls the stage: DVC owns the data lineage and the cache (a run from the
 Prefect UI and a `dvc repro` in a terminal share outputs and dvc.lock), Prefect owns scheduling, retries,
 parameters from the UI, states and logs.
+
+Runs do not collide: a pipeline run holds the project's workspace lock (`.icrl/workspace.lock`) from start to end,
+so a second run (from the UI, a deployment, or a terminal) waits for the first; the deployment also has a Prefect
+concurrency limit of 1 (prefect.yaml), so the server queues triggered runs. A run with overrides is a DVC
+experiment: params.yaml holds the overrides only while it runs, `dvc exp save` records it (`dvc exp show` lists it
+with its params and metrics), then params.yaml, dvc.lock and the metrics return to what they were and DVC checks
+the outputs back out (`dvc exp apply NAME` brings the experiment's results into the workspace).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 
 PARAMS_FILE = "params.yaml"
+WORKSPACE_LOCK = Path(".icrl") / "workspace.lock"
 
 
 def _tool_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -99,21 +111,104 @@ def apply_overrides(overrides: dict[str, Any], params_file: str = PARAMS_FILE) -
     atomic_write_text(path, buffer.getvalue())
 
 
-@flow(name="icrl-pipeline", log_prints=True)
-def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | None = None) -> dict:
-    """The training pipeline: build_dataset -> tokenize -> bootstrap -> reward_model -> ppo -> adapt ->
-    evaluate -> promote, each stage through DVC (unchanged stages are skipped).
+@contextlib.contextmanager
+def workspace_lock(logger: logging.Logger | logging.LoggerAdapter | None = None) -> Iterator[None]:
+    """One run at a time in this project folder: pipeline runs and promotions share params.yaml, dvc.lock, the
+    outputs and DVC's own lock. The lock is an OS file lock: a killed run releases it."""
+    from icrl_core.io import exclusive_lock
 
-    overrides: dotted config keys written into params.yaml first, e.g. {"ppo.kl_beta": 0.02}.
-    stages: run only these stages (in pipeline order); default all."""
+    def waiting() -> None:
+        (logger or logging.getLogger(__name__)).info("another run holds %s: waiting for it to end", WORKSPACE_LOCK)
+
+    with exclusive_lock(WORKSPACE_LOCK, on_wait=waiting):
+        yield
+
+
+def experiment_files() -> list[Path]:
+    """What a run changes besides the cached outputs: params.yaml, dvc.lock and the stages' metrics files."""
+    from tasks.stages import load_stages
+
+    return [Path(PARAMS_FILE), Path("dvc.lock"), *(Path(m) for stage in load_stages().values() for m in stage.metrics)]
+
+
+def _experiment_exists(name: str) -> bool:
+    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], capture_output=True,
+                          text=True)
+    return any(ref.rsplit("/", 1)[-1] == name for ref in refs.stdout.split())
+
+
+@contextlib.contextmanager
+def dvc_experiment(overrides: dict[str, Any], name: str,
+                   logger: logging.Logger | logging.LoggerAdapter | None = None) -> Iterator[None]:
+    """Run the block as DVC experiment `name` with `overrides` (what `dvc exp run -S` does, stage by stage):
+    params.yaml gets the overrides; when the block succeeds, `dvc exp save` records the workspace (params, dvc.lock,
+    metrics); then, success or not, params.yaml, dvc.lock and the metrics files get their old bytes back and
+    `dvc checkout` restores the outputs that dvc.lock names from the DVC cache."""
+    from icrl_core.errors import UserError
+
+    logger = logger or logging.getLogger(__name__)
+    head = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        raise UserError("a run with overrides is a DVC experiment, which needs a git repository with a commit "
+                        "(git init && git add -A && git commit)")
+    if _experiment_exists(name):
+        raise UserError(f"a DVC experiment named '{name}' exists already (`dvc exp show`): choose another name")
+    saved = {path: path.read_bytes() if path.exists() else None for path in experiment_files()}
+    apply_overrides(overrides)
+    logger.info("experiment %s: params.yaml holds %s while it runs", name, overrides)
+    try:
+        yield
+        included = [arg for path in saved if path.suffix == ".json" and path.exists()
+                    for arg in ("--include-untracked", str(path))]  # metrics/ is git-ignored: include it
+        done = _dvc("exp", "save", "--name", name, *included)
+        if done.returncode != 0:
+            raise RuntimeError(f"dvc exp save failed:\n{done.stdout}\n{done.stderr}")
+        logger.info("experiment %s saved: `dvc exp show` lists it, `dvc exp apply %s` brings its results back",
+                    name, name)
+    finally:
+        from icrl_core.io import atomic_write_bytes
+
+        for path, data in saved.items():
+            if data is None:
+                path.unlink(missing_ok=True)
+            elif not path.exists() or path.read_bytes() != data:
+                atomic_write_bytes(path, data)
+        restored = _dvc("checkout")
+        if restored.returncode != 0:
+            logger.warning("dvc checkout could not restore every output (%s): `dvc repro` recomputes them",
+                           (restored.stderr or restored.stdout).strip()[-500:])
+
+
+def _experiment_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"{flow_run.name or 'pipeline'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@flow(name="icrl-pipeline", log_prints=True)
+def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | None = None,
+                  experiment: str | None = None) -> dict:
+    """The training pipeline: build_dataset -> tokenize -> bootstrap -> reward_model -> ppo -> adapt ->
+    evaluate -> promote (the stages of dvc.yaml), each stage through DVC (unchanged stages are skipped), one run
+    at a time per project folder.
+
+    overrides: dotted config keys, e.g. {"ppo.kl_beta": 0.02}: the run is a DVC experiment with these params
+    (listed by `dvc exp show`); params.yaml is unchanged afterwards.
+    stages: run only these stages (in pipeline order); default all.
+    experiment: the experiment's name when there are overrides (default: the flow run's name and the time)."""
+    logger = get_run_logger()
+    with workspace_lock(logger):
+        if not overrides:
+            return _run_stages(stages)
+        with dvc_experiment(overrides, experiment or _experiment_name(), logger):
+            return _run_stages(stages)
+
+
+def _run_stages(stages: list[str] | None) -> dict:
     from tasks.settings import load_config
     from tasks.stages import stage_names
     from tasks.tracking import PARENT_RUN_ENV, pipeline_run
 
-    logger = get_run_logger()
-    if overrides:
-        apply_overrides(overrides)
-        logger.info("params.yaml updated with %s", overrides)
     config = load_config(PARAMS_FILE if Path(PARAMS_FILE).exists() else None, [])
     pipeline = stage_names()  # dvc.yaml's stages, in order
     selected = [s for s in pipeline if stages is None or s in stages]

@@ -22,6 +22,9 @@ def promotion_flow(evaluation: str = "artifacts/evaluate/metrics.json") -> dict:
     tracking.registered_model; alias it `champion` only if it passes the promotion gates and its evaluate.metric
     beats the current champion's, else `challenger`. There is no metric parameter: the metric and the gates come
     from the evaluation, and the adapter must still hold the bytes that were evaluated."""
-    result = promote_task(evaluation)
+    from flows.pipeline import workspace_lock
+
+    with workspace_lock(get_run_logger()):  # not while a pipeline run rewrites the evaluation or the adapter
+        result = promote_task(evaluation)
     get_run_logger().info("version %s -> %s", result["version"], result["alias"])
     return result

@@ -78,6 +78,28 @@ def atomic_dir(path: Path | str, overwrite: bool = True) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def exclusive_lock(path: Path | str, on_wait=None) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing) until the block ends; another holder makes
+    this wait (`on_wait()` is called once first). The OS drops the lock when its process dies, so a killed holder
+    never blocks the next one."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -51,26 +56,103 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # renameat2(2) flags (Linux >= 3.15)
+_AT_FDCWD = -100
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_renameat2():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+
+
+def _renameat2(source: Path, target: Path, flags: int) -> bool:
+    """renameat2(source, target, flags); False where the call or the flag is unsupported (other systems, some
+    filesystems): the caller falls back to plain renames."""
+    call = _libc_renameat2()
+    if call is None:
+        return False
+    if call(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(source), None, str(target))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_LEFTOVER = re.compile(r"old-(?P<old>\d+)|(?P<tmp>\d+)\.[^.]+\.tmp")
+
+
+def _leftovers(path: Path) -> Iterator[tuple[Path, str, int]]:
+    """(folder, kind, pid) of the hidden siblings atomic_dir makes for `path`: `.NAME.PID.*.tmp` (the new
+    version being written, or the old one after an exchange) and `.NAME.old-PID` (the old version set aside)."""
+    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        found = _LEFTOVER.fullmatch(sibling.name[len(path.name) + 2:])
+        if found:
+            yield sibling, "old" if found["old"] else "tmp", int(found["old"] or found["tmp"])
+
+
+def recover_dir(path: Path | str) -> None:
+    """Finish what a process that died inside `atomic_dir(path)` left: with the two-rename fallback, a crash between
+    the renames leaves `path` missing and the old version set aside, which goes back; anything else a dead process
+    left beside `path` (a half-written new version, an old version already replaced) is removed. Folders of
+    live processes (this one included) are left alone. `atomic_dir` calls it first."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    for sibling, kind, pid in sorted(_leftovers(path), key=lambda item: item[1] != "old"):
+        if _pid_alive(pid):  # this process too: another thread may be writing
+            continue
+        if kind == "old" and not path.exists():
+            os.replace(sibling, path)
+            _fsync_dir(path.parent)
+        else:
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: Path | str, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `path` in one rename."""
+    """Yield a temporary sibling folder; on success it takes the place of `path` atomically: readers see the old
+    folder or the new one, also if this process dies at any point.
+
+    Replacing an existing folder is one `renameat2(RENAME_EXCHANGE)` (Linux): the two folders swap names, then the
+    old one is deleted. Where that is unsupported: `path` -> `.NAME.old-PID`, the new folder -> `path`, delete the
+    old; a crash between the two renames leaves the old folder set aside, and the next `atomic_dir(path)` (or
+    `recover_dir(path)`) puts it back. `overwrite=False` raises FileExistsError if `path` exists (atomically
+    where RENAME_NOREPLACE is supported)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    recover_dir(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         for child in tmp.rglob("*"):
             if child.is_file():
                 with open(child, "rb") as handle:
                     os.fsync(handle.fileno())
+        _fsync_dir(tmp)
         if path.exists():
             if not overwrite:
                 raise FileExistsError(path)
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
+            if not _renameat2(tmp, path, RENAME_EXCHANGE):  # exchanged: tmp now holds the old folder
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+        elif not _renameat2(tmp, path, RENAME_NOREPLACE):
             os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:

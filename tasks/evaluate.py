@@ -250,12 +250,13 @@ def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bo
 # runs do not depend on training); runs in progress live in partial/, forgetting measurements in ability/. All of
 # it is outside the stage's DVC outs, which DVC deletes before the stage runs.
 RESULT_CACHE = Path(".icrl") / "evaluations"
+_ENGINE_SOURCES = ("icrl_core/inference/base.py", "icrl_core/inference/torch_backend.py")
 _ABILITY_SOURCES = ("icrl_core/general_ability.py", "icrl_core/choice_probe.py", "icrl_core/generation.py",
-                    "icrl_core/chat.py", "icrl_core/kernels.py", "icrl_core/model.py")
+                    "icrl_core/chat.py", "icrl_core/kernels.py", "icrl_core/model.py") + _ENGINE_SOURCES
 _FEEDBACK_SOURCES = ("icrl_core/feedback_probe.py", "icrl_core/icrl_eval.py", "icrl_core/prompting.py",
                      "icrl_core/task_data.py", "tasks/icrl_eval.py")
 _HARNESS_SOURCES = ("icrl_core/icrl_eval.py", "icrl_core/kernels.py", "icrl_core/chat.py", "icrl_core/prompting.py",
-                    "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py")
+                    "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py") + _ENGINE_SOURCES
 
 
 def adapter_digest(adapter: Path) -> str:
@@ -278,14 +279,15 @@ def _model_identity(config: PipelineConfig) -> dict:
 
 def result_key(config: PipelineConfig) -> str:
     """A hash of what a run's outcome depends on: the model (dtype resolved on this machine, a trained adapter by
-    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, and the
-    harness's source code."""
+    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, the
+    inference engine, and the harness's source code."""
     from tasks.icrl_eval import FREE_ON_RESUME
 
     return _digest({
         "model": _model_identity(config),
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+        "engine": config.inference.backend,
     }, _HARNESS_SOURCES)
 
 

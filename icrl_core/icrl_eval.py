@@ -94,13 +94,26 @@ class ZeroShot(Strategy):
 
 @dataclass
 class Naive(Strategy):
-    """All past episodes, the most recent `max_examples` (the paper's random_biased_end with p_keep=1)."""
+    """All past episodes, the most recent `max_examples` (the paper's random_biased_end with p_keep=1).
+
+    `evict` > 1 is a protocol variant for speed: once the context is full, the oldest `evict` episodes leave at
+    once, and the context grows again for evict - 1 steps (it holds between max_examples - evict + 1 and
+    max_examples episodes). The paper's sliding window (evict = 1) changes every position each step, so no cached
+    key/value survives past the system prompt; a block eviction keeps the context a growing prefix between
+    evictions, which the prefix cache reuses. Stateless: the start is a function of the number of kept episodes."""
 
     only_positive: bool = False
+    evict: int = 1
 
     def select(self, history, step):
         kept = [i for i, r in enumerate(history) if not self.only_positive or _usable(r, self.supervised)]
-        return kept[-self.max_examples:] if self.max_examples else []
+        if not self.max_examples:
+            return []
+        overflow = len(kept) - self.max_examples
+        if overflow <= 0:
+            return kept
+        evict = min(self.evict, self.max_examples)
+        return kept[-(-overflow // evict) * evict:]
 
 
 @dataclass
@@ -210,6 +223,8 @@ def make_strategy(cfg: EvalConfig, max_examples: int) -> Strategy:
     if cfg.strategy == "approximate":
         return Approximate(**common, p_keep=cfg.p_keep, max_contexts=cfg.max_contexts,
                            sampling=cfg.approximate_sampling)
+    if cfg.strategy in ("naive", "naive_plus"):
+        return STRATEGIES[cfg.strategy](**common, evict=cfg.evict_episodes)
     return STRATEGIES[cfg.strategy](**common)
 
 

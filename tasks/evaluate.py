@@ -235,10 +235,65 @@ def in_pool(jobs: list[tuple], workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def streams_supported(config: PipelineConfig) -> bool:
+    """Whether evaluation runs share one engine, each from its own thread (`inference.streams` > 1 and a
+    concurrent backend)."""
+    from icrl_core.inference.base import engine_class
+
+    return config.inference.streams > 1 and bool(getattr(engine_class(config.inference.backend), "concurrent", False))
+
+
+def in_streams(configs: list[PipelineConfig], resume: list[bool], streams: int):
+    """Yield (index, metrics) of each evaluation run as it finishes: `streams` runs at a time in this process, each
+    from its own thread, all through one inference engine (its base model and each trained adapter loaded once).
+    Torch threads: one per stream (streams on different cores run in parallel), or all cores for the one fused
+    pass at a time when the engine fuses the streams' passes."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    import torch
+
+    from icrl_core.inference.base import engine_from_config
+    from tasks.icrl_eval import evaluate
+
+    first = configs[0]
+    fused = first.inference.fuse_streams
+    threads = (os.cpu_count() or 1) if fused else 1
+    torch.set_num_threads(threads)
+    entries = max(c.icrl_eval.cache_entries or (c.icrl_eval.max_contexts + 1 if c.icrl_eval.strategy == "approximate"
+                                                else 2) for c in configs)
+    engine = engine_from_config(with_overrides(first, {"model.init_adapter": None,
+                                                       "icrl_eval.cache_entries": entries}))
+
+    def one(index: int) -> dict:
+        run = with_overrides(configs[index], {"icrl_eval.threads": threads})
+        with engine.stream() if hasattr(engine, "stream") else _no_context():
+            return evaluate(run, resume=resume[index], progress=True, position=index % streams, engine=engine)
+
+    try:
+        with ThreadPoolExecutor(streams) as pool:
+            futures = {pool.submit(one, index): index for index in range(len(configs))}
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+    finally:
+        engine.close()
+
+
+def _no_context():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bool] | None = None) -> list[dict]:
-    """Run the evaluation `configs` (results in their order), `workers` at a time (`in_pool`).
-    `resume[i]`: continue config i's existing run folder from its log."""
+    """Run the evaluation `configs` (results in their order), `workers` at a time (`in_pool`), or as streams of one
+    engine (`in_streams`) when `streams_supported`. `resume[i]`: continue config i's existing run folder."""
     resume = resume or [False] * len(configs)
+    if configs and streams_supported(configs[0]):
+        results = [None] * len(configs)
+        for index, result in in_streams(configs, resume, configs[0].inference.streams):
+            results[index] = result
+        return results
     jobs = [(_evaluate_job, {"config_json": c.model_dump(mode="json"), "resume": r}) for c, r in zip(configs, resume)]
     results: list = [None] * len(configs)
     for index, result in in_pool(jobs, workers):
@@ -406,6 +461,12 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
         resumed += again
         jobs.append((_evaluate_job, {"config_json": work_run.model_dump(mode="json"), "resume": again}))
         owners.append(("run", i))
+    if jobs and streams_supported(configs[0]):  # the runs as streams of one engine here, then the measurements
+        runs = [kwargs for _, kwargs in jobs]
+        for index, result in in_streams([PipelineConfig.model_validate(k["config_json"]) for k in runs],
+                                        [k["resume"] for k in runs], configs[0].inference.streams):
+            results[owners[index][1]] = keep(owners[index][1], Path(result["run_dir"]))
+        jobs, owners = [], []
     abilities: list[dict | None] = [stored_ability(config, a) for a in ability_adapters] if config else []
     for j, adapter in enumerate(ability_adapters):
         if abilities[j] is None:

@@ -18,3 +18,9 @@ class InferenceConfig(Section):
               "transformers; predictions identical to recomputing every prompt, fp32). vllm: a vLLM engine "
               "(needs the vllm package)."),
     ] = "torch"
+    streams: Annotated[int, Field(ge=1, description="Evaluation runs one engine serves at once, each from its "
+                                  "own thread (evaluate stage; needs a concurrent backend). 1: each run in its own "
+                                  "process (evaluate.workers at a time).")] = 1
+    fuse_streams: Annotated[bool, Field(description="torch: fuse the concurrent streams' forward passes into one "
+                                        "ragged pass (faster on a CPU; float rounding differs slightly from the "
+                                        "exact mode: agreement in docs/INFERENCE.md). false: exact.")] = False

@@ -9,20 +9,22 @@ are those of recomputing every prompt from scratch (`reuse=False` does exactly t
 
 Concurrency: each calling thread (an evaluation stream) has its own prefix caches and token counter, so several
 streams share one copy of the weights; torch releases the GIL inside its kernels, so streams on different cores
-run in parallel.
+run in parallel. With `fuse_streams` the passes of the streams registered by `stream()` are fused into one
+ragged pass (icrl_core/inference/fused.py): faster on a CPU, not bit-identical (exact=False).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from icrl_core.inference.base import Choose, ContinuationRequest, TrieRequest
-from icrl_core.kernels import ROOT, LabelTrie, PrefixCache, TreeScorer, chain_nodes
+from icrl_core.kernels import ROOT, LabelTrie, PrefixCache, TreeScorer, chain_nodes, model_forward
 
 
 def needed_nodes(trie: LabelTrie) -> list[int]:
@@ -141,7 +143,14 @@ class TorchEngine:
 
     def __init__(self, policy, *, adapter: str | None = None, cache_entries: int = 2, reuse: bool = True,
                  chunk_tokens: int = 1024, batch_tokens: int = 1024, expand: str = "auto", model_config=None,
-                 cache: PrefixCache | None = None):
+                 cache: PrefixCache | None = None, fuse_streams: bool = False):
+        from icrl_core.inference.fused import StreamBatcher, supports_ragged
+
+        if fuse_streams and not supports_ragged(policy):
+            raise ValueError("inference.fuse_streams needs a Llama-architecture model")
+        self.batcher = StreamBatcher() if fuse_streams else None
+        self.exact = not fuse_streams
+        self._forward = self.batcher.forward if self.batcher else model_forward
         self.policies = {adapter: policy}
         self.cache_entries = cache_entries
         self.reuse = cache.reuse if cache is not None else reuse
@@ -164,7 +173,20 @@ class TorchEngine:
         entries = cfg.cache_entries or (cfg.max_contexts + 1 if cfg.strategy == "approximate" else 2)
         return cls(policy, adapter=adapter, cache_entries=entries, reuse=cfg.reuse_cache,
                    chunk_tokens=cfg.chunk_tokens, batch_tokens=cfg.batch_tokens, expand=cfg.expand,
-                   model_config=config.model)
+                   model_config=config.model, fuse_streams=config.inference.fuse_streams)
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        """Serve the calling thread as one evaluation stream: with fuse_streams its passes join the fused ones
+        (the batcher waits for registered streams); on exit its prefix caches are dropped."""
+        if self.batcher:
+            self.batcher.register()
+        try:
+            yield
+        finally:
+            if self.batcher:
+                self.batcher.unregister()
+            self.forget()
 
     # -- per-thread state ------------------------------------------------------------------------------------
 
@@ -198,7 +220,8 @@ class TorchEngine:
         stream = self._stream()
         if adapter not in stream.caches:
             stream.caches[adapter] = PrefixCache(self.policy(adapter), capacity=self.cache_entries,
-                                                 reuse=self.reuse, chunk_tokens=self.chunk_tokens)
+                                                 reuse=self.reuse, chunk_tokens=self.chunk_tokens,
+                                                 forward=self._forward)
         return stream.caches[adapter]
 
     def forget(self) -> None:
@@ -232,7 +255,7 @@ class TorchEngine:
     def _scorer(self, adapter: str | None, context: tuple[int, ...]) -> TreeScorer:
         entry, computed = self.prefix_cache(adapter).prepare(context)
         self._stream().tokens_computed += computed
-        return TreeScorer(self.policy(adapter), entry.cache, len(context))
+        return TreeScorer(self.policy(adapter), entry.cache, len(context), forward=self._forward)
 
     def walk_tries(self, requests: Sequence[TrieRequest], choose: Choose) -> list[int]:
         leaves: list[int | None] = [None] * len(requests)

@@ -342,8 +342,14 @@ def result_key(config: PipelineConfig) -> str:
         "model": _model_identity(config),
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
-        "engine": config.inference.backend,
+        "engine": engine_identity(config),
     }, _HARNESS_SOURCES)
+
+
+def engine_identity(config: PipelineConfig) -> str:
+    """The backend, marked when the evaluate stage fuses the streams' passes (not bit-identical to exact runs)."""
+    fused = config.inference.fuse_streams and config.inference.streams > 1
+    return config.inference.backend + ("+fused" if fused else "")
 
 
 def _digest(payload: dict, sources: tuple[str, ...]) -> str:

@@ -184,40 +184,28 @@ def generate_items(seed: int = 0, per_family: int = 200) -> list[ChoiceItem]:
     return items
 
 
-@torch.no_grad()
 def choice_scores(policy, tokens: Tokens, items: list[ChoiceItem], progress=None,
-                  end_of_turn: bool = True) -> list[list[float]]:
+                  end_of_turn: bool = True, engine=None, adapter: str | None = None) -> list[list[float]]:
     """score[i][j] = sum of log p over choice j's tokens and the end-of-turn token, as the reply to item i
     (`end_of_turn=False`: the choice's tokens only, i.e. how likely the reply *starts* with it).
 
-    Every prompt starts with the same chat-template header, so a PrefixCache computes it once; each item then
-    computes its question tokens, and all its choices in one tree-attention pass (kernels.TreeScorer): the last
-    prompt token is the root, each choice a chain below it."""
-    from icrl_core.kernels import PrefixCache, TreeScorer, chain_nodes
+    Scored by an inference engine's `continuation_logprobs` (default: the torch engine over `policy`, which
+    computes the chat-template header every prompt starts with once, then per item its question tokens and all
+    its choices in one tree-attention pass: the last prompt token is the root, each choice a chain below it)."""
+    from icrl_core.inference.base import ContinuationRequest
 
-    tok = policy.tokenizer
-    head = policy.causal_lm.lm_head
-    prefixes = PrefixCache(policy, capacity=2)
+    if engine is None:
+        from icrl_core.inference.torch_backend import TorchEngine
+        from icrl_core.kernels import PrefixCache
+
+        engine = TorchEngine(policy, cache=PrefixCache(policy, capacity=2), adapter=adapter)
     scores = []
     for item in (progress(items) if progress else items):
-        prompt = chat_prompt_ids(tok, item.question)
-        entry, _ = prefixes.prepare(prompt[:-1])
-        answers = [list(tokens.encode(choice)) + ([tokens.end_of_turn_id] if end_of_turn else [])
-                   for choice in item.choices]
-        with TreeScorer(policy, entry.cache, len(prompt) - 1) as tree:
-            nodes = [(prompt[-1], -1)]
-            chains = []
-            for answer in answers:
-                chains.append(list(range(len(nodes), len(nodes) + len(answer))))
-                nodes += chain_nodes(answer, len(nodes), parent=0)
-            tree.extend(nodes)
-            logprobs = torch.log_softmax(head(tree.hidden_rows(range(len(nodes)))).float(), dim=-1)  # (M, V)
-        item_scores = []
-        for answer, chain in zip(answers, chains):
-            # token t of the answer is predicted at its parent: the root for t = 0, else chain node t - 1
-            predicted_at = [0] + chain[:-1]
-            item_scores.append(float(logprobs[predicted_at, answer].sum()))
-        scores.append(item_scores)
+        answers = tuple(tuple(tokens.encode(choice)) + ((tokens.end_of_turn_id,) if end_of_turn else ())
+                        for choice in item.choices)
+        (logprobs,) = engine.continuation_logprobs(
+            [ContinuationRequest(tuple(chat_prompt_ids(tokens.tokenizer, item.question)), answers, adapter)])
+        scores.append([float(torch.as_tensor(lp, dtype=torch.float32).sum()) for lp in logprobs])
     return scores
 
 

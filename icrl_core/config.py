@@ -470,6 +470,11 @@ class EvalConfig(Section):
     flip_feedback_prob: Annotated[float, Field(ge=0, le=1, description="Probability that the feedback shown in "
                                                "context is flipped (0 = never; the paper's --icrl_flip_feedback "
                                                "with --icrl_flip_feedback_prob).")] = 0.0
+    evict_episodes: Annotated[int, Field(ge=1, description="naive, naive_plus: episodes that leave a full "
+                                         "context at once. 1 = the paper's sliding window (the oldest leaves every "
+                                         "step, so no cached key/value survives); k > 1 = a faster protocol "
+                                         "variant: the context drops its k oldest episodes when full and grows "
+                                         "again for k - 1 steps, reusing its cache (docs/INFERENCE.md).")] = 1
     max_examples: Annotated[int | None, Field(ge=0, description="Cap on in-context episodes. Default: the largest "
                                               "number whose longest prompts fit context_window.")] = None
     context_window: Annotated[int | None, Field(ge=64, description="Token window the prompts must fit when "

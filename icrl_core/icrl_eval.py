@@ -14,8 +14,8 @@ Each step t:
   6. append the episode (x_t, y_t, feedback) to the history.
 Supervised ICL (`icrl` off) shows gold labels without feedback and makes no training predictions.
 
-Everything here is pure: the model is reached through `icrl_core.kernels` (cached prefixes, tree-packed
-candidate scoring). The protocol is a generator of step and test events; `tasks/icrl_eval.py` writes them.
+Everything here is pure: the model is reached through an inference engine (icrl_core/inference/: the torch
+engine caches prefixes and packs candidates into tree passes, icrl_core.kernels). The protocol is a generator of step and test events; `tasks/icrl_eval.py` writes them.
 Everything a resumed run needs is in its step log: strategies are replayed from the history (their random draws
 are seeded per step), so a resumed run makes the same choices as an uninterrupted one.
 """
@@ -34,7 +34,9 @@ import numpy as np
 from icrl_core.chat import Conversation, Tokens
 from icrl_core.config import EvalConfig
 from icrl_core.errors import UserError
-from icrl_core.kernels import ROOT, LabelTrie, PrefixCache, TreeScorer, chain_nodes
+from icrl_core.inference.base import Choose, InferenceEngine, TrieRequest, branching_nodes
+from icrl_core.inference.torch_backend import choose_expand, needed_nodes, walk_batch  # noqa: F401 (harness API)
+from icrl_core.kernels import ROOT, LabelTrie, PrefixCache, TreeScorer
 from icrl_core.prompting import PromptTemplate
 from icrl_core.task_data import ClassificationTask, Example
 
@@ -92,13 +94,26 @@ class ZeroShot(Strategy):
 
 @dataclass
 class Naive(Strategy):
-    """All past episodes, the most recent `max_examples` (the paper's random_biased_end with p_keep=1)."""
+    """All past episodes, the most recent `max_examples` (the paper's random_biased_end with p_keep=1).
+
+    `evict` > 1 is a protocol variant for speed: once the context is full, the oldest `evict` episodes leave at
+    once, and the context grows again for evict - 1 steps (it holds between max_examples - evict + 1 and
+    max_examples episodes). The paper's sliding window (evict = 1) changes every position each step, so no cached
+    key/value survives past the system prompt; a block eviction keeps the context a growing prefix between
+    evictions, which the prefix cache reuses. Stateless: the start is a function of the number of kept episodes."""
 
     only_positive: bool = False
+    evict: int = 1
 
     def select(self, history, step):
         kept = [i for i, r in enumerate(history) if not self.only_positive or _usable(r, self.supervised)]
-        return kept[-self.max_examples:] if self.max_examples else []
+        if not self.max_examples:
+            return []
+        overflow = len(kept) - self.max_examples
+        if overflow <= 0:
+            return kept
+        evict = min(self.evict, self.max_examples)
+        return kept[-(-overflow // evict) * evict:]
 
 
 @dataclass
@@ -208,6 +223,8 @@ def make_strategy(cfg: EvalConfig, max_examples: int) -> Strategy:
     if cfg.strategy == "approximate":
         return Approximate(**common, p_keep=cfg.p_keep, max_contexts=cfg.max_contexts,
                            sampling=cfg.approximate_sampling)
+    if cfg.strategy in ("naive", "naive_plus"):
+        return STRATEGIES[cfg.strategy](**common, evict=cfg.evict_episodes)
     return STRATEGIES[cfg.strategy](**common)
 
 
@@ -320,81 +337,29 @@ def sample_child(logits: np.ndarray, temperature: float, rng: np.random.Generato
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
 
 
-def needed_nodes(trie: LabelTrie) -> list[int]:
-    """Inner trie nodes whose hidden state is needed: those with a branching node at or below them. A chain that
-    never branches again is decided already, so it is not fed."""
-    branching_below = [False] * len(trie.token)
-    for node in reversed(range(1, len(trie.token))):
-        if len(trie.children[node]) > 1:
-            branching_below[node] = True
-        if branching_below[node] and trie.parent[node] > 0:
-            branching_below[trie.parent[node]] = True
-    return [n for n in trie.inner_nodes if branching_below[n]]
-
-
 @dataclass
 class Prediction:
     label: int
     prob: float  # probability of the whole label under constrained decoding at the given temperature
 
 
+def sampler(temperature: float, rngs: Sequence[np.random.Generator], probs: list[float]) -> Choose:
+    """The harness's choice at a branching node for an engine's walk: `sample_child` with request i's own random
+    stream; multiplies probs[i] by the chosen child's probability."""
+    def choose(i: int, node: int, scores: np.ndarray) -> int:
+        pick = sample_child(scores, temperature, rngs[i])
+        probs[i] *= float(child_distribution(scores, temperature)[pick])
+        return pick
+    return choose
+
+
 def decode_batch(scorer: TreeScorer, queries: Sequence[Sequence[int]], trie: LabelTrie, temperature: float,
                  rngs: Sequence[np.random.Generator], expand: str) -> list[Prediction]:
-    """Constrained decoding of several queries appended after one cached context.
-
-    expand='trie': one pass feeds every query and its needed trie nodes (each query's trie hangs under its last
-    token); then the walk down the trie reads logits that are all computed already.
-    expand='path': one pass feeds the queries; each further pass feeds, per unfinished query, the chosen token
-    chain down to its next branching node. Cheaper than the full trie when there are many labels."""
-    needed = needed_nodes(trie) if expand == "trie" else []
-    nodes: list[tuple[int, int]] = []
-    where: list[dict[int, int]] = []  # per query: trie node -> scorer node id
-    for query in queries:
-        first = len(scorer) + len(nodes)
-        nodes += chain_nodes(query, first)
-        placed = {ROOT: first + len(query) - 1}
-        for trie_node in needed:
-            placed[trie_node] = len(scorer) + len(nodes)
-            nodes.append((trie.token[trie_node], placed[trie.parent[trie_node]]))
-        where.append(placed)
-    scorer.extend(nodes)
-
-    current = [ROOT] * len(queries)
+    """Constrained decoding of several queries appended after one cached context (the torch engine's
+    `walk_batch` with the harness's sampler; expand 'trie' or 'path')."""
     probs = [1.0] * len(queries)
-    done = [False] * len(queries)
-    while not all(done):
-        # Decide every query that has logits at its current node.
-        pending = [q for q in range(len(queries)) if not done[q]]
-        ready = [q for q in pending if current[q] in where[q]]
-        if ready:
-            kids = [trie.children[current[q]] for q in ready]
-            logits = scorer.candidate_logits([where[q][current[q]] for q in ready],
-                                              [[trie.token[k] for k in ks] for ks in kids])
-            for q, ks, lg in zip(ready, kids, logits):
-                pick = 0
-                if len(ks) > 1:  # one child: nothing to decide (and no draw)
-                    values = lg.double().numpy()
-                    pick = sample_child(values, temperature, rngs[q])
-                    probs[q] *= float(child_distribution(values, temperature)[pick])
-                node = ks[pick]
-                while len(trie.children[node]) == 1:  # forced: only one way on
-                    node = trie.children[node][0]
-                current[q] = node
-                done[q] = trie.is_leaf(node)
-            continue
-        # expand == 'path': feed the chosen chains down to each query's next branching node.
-        feed: list[tuple[int, int]] = []
-        for q in pending:
-            chain = []
-            node = current[q]
-            while node not in where[q]:
-                chain.append(node)
-                node = trie.parent[node]
-            for trie_node in reversed(chain):
-                where[q][trie_node] = len(scorer) + len(feed)
-                feed.append((trie.token[trie_node], where[q][trie.parent[trie_node]]))
-        scorer.extend(feed)
-    return [Prediction(trie.label_of_leaf[node], prob) for node, prob in zip(current, probs)]
+    leaves = walk_batch(scorer, queries, trie, sampler(temperature, rngs, probs), expand)
+    return [Prediction(trie.label_of_leaf[node], prob) for node, prob in zip(leaves, probs)]
 
 
 def label_distribution(predictor: Predictor, context_ids: Sequence[int], user_open: bool, query: str,
@@ -402,24 +367,13 @@ def label_distribution(predictor: Predictor, context_ids: Sequence[int], user_op
     """p(label) of every label (shape [labels]) when `query` follows the cached context and is answered by the
     harness's constrained decoding at `temperature`: the product, along the label's path in the trie, of
     softmax(logits / T) over the children at each branching node (a node with one child decides nothing).
-    One pass feeds the query and the trie's needed nodes, as decode_batch's expand='trie' does."""
+    The engine scores the whole trie (`trie_logprobs`)."""
     trie = predictor.trie
     query_ids = render_query(predictor.tokens, predictor.template, query, user_open)
-    entry, _ = predictor.cache.prepare(context_ids)
-    with TreeScorer(predictor.policy, entry.cache, len(context_ids)) as scorer:
-        first = len(scorer)
-        nodes = chain_nodes(query_ids, first)
-        placed = {ROOT: first + len(query_ids) - 1}
-        for trie_node in needed_nodes(trie):  # parents come before their children
-            placed[trie_node] = first + len(nodes)
-            nodes.append((trie.token[trie_node], placed[trie.parent[trie_node]]))
-        scorer.extend(nodes)
-        branching = [node for node in placed if len(trie.children[node]) > 1]
-        logits = scorer.candidate_logits([placed[node] for node in branching],
-                                         [[trie.token[k] for k in trie.children[node]] for node in branching])
+    (scores,) = predictor.engine.trie_logprobs([predictor.request(context_ids, query_ids)])
     step_prob: dict[int, float] = {}  # trie node -> probability of choosing it at its parent
-    for node, values in zip(branching, logits):
-        for child, p in zip(trie.children[node], child_distribution(values.double().numpy(), temperature)):
+    for node in branching_nodes(trie):
+        for child, p in zip(trie.children[node], child_distribution(scores[node], temperature)):
             step_prob[child] = float(p)
     probs = np.zeros(len(predictor.labels))
     for leaf, label in trie.label_of_leaf.items():
@@ -431,61 +385,51 @@ def label_distribution(predictor: Predictor, context_ids: Sequence[int], user_op
     return probs
 
 
-def choose_expand(trie: LabelTrie, expand: str) -> str:
-    """'auto': the full trie when it adds at most 32 nodes per query, else token paths."""
-    if expand != "auto":
-        return expand
-    return "trie" if len(needed_nodes(trie)) <= 32 else "path"
-
-
 @dataclass
 class Predictor:
-    """Constrained decoding of the task's labels after cached contexts."""
+    """Constrained decoding of the task's labels after cached contexts, through an inference engine.
+
+    Given a policy and a PrefixCache (and no engine), it makes the torch engine over them; `engine` serves
+    requests for the model `adapter` (None: the base model) instead."""
 
     policy: object
     tokens: Tokens
     template: PromptTemplate
     labels: list[str]
-    cache: PrefixCache
+    cache: PrefixCache | None
     temperature: float
     expand: str = "auto"
     batch_tokens: int = 1024
+    engine: InferenceEngine | None = None
+    adapter: str | None = None
     trie: LabelTrie = field(init=False)
 
     def __post_init__(self):
         self.trie = LabelTrie.build(candidate_sequences(self.tokens, self.template, self.labels))
-        self.expand = choose_expand(self.trie, self.expand)
-        self._per_query_nodes = len(needed_nodes(self.trie)) if self.expand == "trie" else self.trie.max_depth
+        if self.engine is None:
+            from icrl_core.inference.torch_backend import TorchEngine
+
+            self.engine = TorchEngine(self.policy, cache=self.cache, expand=self.expand,
+                                      batch_tokens=self.batch_tokens, adapter=self.adapter)
+        self.expand = choose_expand(self.trie, getattr(self.engine, "expand", self.expand))
+
+    def request(self, context_ids: Sequence[int], query_ids: Sequence[int]) -> TrieRequest:
+        return TrieRequest(tuple(context_ids) + tuple(query_ids), self.trie, self.adapter, len(context_ids))
 
     def predict(self, context_ids: Sequence[int], user_open: bool, queries: Sequence[str],
                 rngs: Sequence[np.random.Generator], temperature: float | None = None,
                 ) -> tuple[list[Prediction], int]:
-        """(predictions, tokens computed). Queries are packed into passes of about `batch_tokens` new tokens over
-        one cached context; without reuse each query recomputes the whole prompt (the reference baseline).
-        `temperature` overrides the predictor's for this call (the test predictions' own temperature)."""
+        """(predictions, tokens computed). The engine reuses the cached context and packs the queries into passes
+        (torch: of about `batch_tokens` new tokens; without reuse each query recomputes the whole prompt, the
+        reference baseline). `temperature` overrides the predictor's for this call (the test predictions' own)."""
         temperature = self.temperature if temperature is None else temperature
-        query_ids = [render_query(self.tokens, self.template, q, user_open) for q in queries]
-        batches: list[list[int]] = [[]]
-        budget = 0
-        for i, ids in enumerate(query_ids):
-            cost = len(ids) + self._per_query_nodes
-            if batches[-1] and (budget + cost > self.batch_tokens or not self.cache.reuse):
-                batches.append([])
-                budget = 0
-            batches[-1].append(i)
-            budget += cost
-        predictions: list[Prediction | None] = [None] * len(queries)
-        computed = 0
-        for batch in batches:
-            entry, n_prefix = self.cache.prepare(context_ids)
-            computed += n_prefix
-            with TreeScorer(self.policy, entry.cache, len(context_ids)) as scorer:
-                out = decode_batch(scorer, [query_ids[i] for i in batch], self.trie, temperature,
-                                   [rngs[i] for i in batch], self.expand)
-                computed += scorer.computed
-            for i, pred in zip(batch, out):
-                predictions[i] = pred
-        return predictions, computed
+        requests = [self.request(context_ids, render_query(self.tokens, self.template, q, user_open))
+                    for q in queries]
+        probs = [1.0] * len(queries)
+        before = self.engine.tokens_computed
+        leaves = self.engine.walk_tries(requests, sampler(temperature, rngs, probs))
+        computed = self.engine.tokens_computed - before
+        return [Prediction(self.trie.label_of_leaf[leaf], p) for leaf, p in zip(leaves, probs)], computed
 
 
 def decode_rng(seed: int, step: int, stream: int, index: int = 0) -> np.random.Generator:

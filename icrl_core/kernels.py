@@ -130,14 +130,25 @@ def clone_cache_prefix(policy, cache, length: int):
 
 
 @torch.no_grad()
-def extend_cache(policy, cache, ids: Sequence[int], chunk_tokens: int) -> None:
+def model_forward(policy, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
+    """One pass of the backbone appending `ids` (1, n) at `positions` (1, n) to `cache`; final hidden states (n, H).
+    `mask` (1, 1, n, P + n) bool: which cached and new positions each new token sees (None: causal)."""
+    out = policy.causal_lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                 use_cache=True)
+    return out.last_hidden_state[0]
+
+
+@torch.no_grad()
+def extend_cache(policy, cache, ids: Sequence[int], chunk_tokens: int, forward=model_forward) -> None:
     """Append `ids` to `cache` by plain causal passes of at most `chunk_tokens` tokens (bounds the size of the
-    attention mask and of the activations)."""
+    attention mask and of the activations). `forward`: how a pass is run (`model_forward`, or an engine's
+    scheduler that fuses passes of several streams)."""
     for start in range(0, len(ids), chunk_tokens):
         piece = torch.tensor([list(ids[start:start + chunk_tokens])], dtype=torch.long)
         past = _cache_length(cache)
         positions = torch.arange(past, past + piece.shape[1]).unsqueeze(0)
-        policy.causal_lm.model(input_ids=piece, past_key_values=cache, use_cache=True, position_ids=positions)
+        forward(policy, piece, positions, cache)
 
 
 class PrefixCache:
@@ -150,10 +161,12 @@ class PrefixCache:
     place. With `reuse=False` nothing is kept: every prompt is computed from scratch (the reference baseline).
     """
 
-    def __init__(self, policy, capacity: int = 2, reuse: bool = True, chunk_tokens: int = 1024):
+    def __init__(self, policy, capacity: int = 2, reuse: bool = True, chunk_tokens: int = 1024,
+                 forward=model_forward):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.policy = policy
+        self.forward = forward
         self.capacity = capacity
         self.reuse = reuse
         self.chunk_tokens = chunk_tokens
@@ -170,7 +183,7 @@ class PrefixCache:
         self._clock += 1
         if not self.reuse:
             entry = CacheEntry(target, _new_cache(self.policy), self._clock)
-            extend_cache(self.policy, entry.cache, target.tolist(), self.chunk_tokens)
+            extend_cache(self.policy, entry.cache, target.tolist(), self.chunk_tokens, self.forward)
             self.tokens_computed += len(target)
             return entry, len(target)
         entry, shared = self._best_entry(target)
@@ -188,7 +201,7 @@ class PrefixCache:
         new = target[shared:].tolist()
         if new:
             try:
-                extend_cache(self.policy, entry.cache, new, self.chunk_tokens)
+                extend_cache(self.policy, entry.cache, new, self.chunk_tokens, self.forward)
             except BaseException:
                 self.entries = [e for e in self.entries if e is not entry]  # its cache may be half-extended
                 raise
@@ -235,6 +248,7 @@ class TreeScorer:
     depths: list[int] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)  # (n, H) per pass
     computed: int = 0
+    forward: object = model_forward   # how a pass is run (see extend_cache)
     _ancestors: np.ndarray | None = None  # (M, M) bool: ancestors-or-self among appended nodes
 
     def __enter__(self) -> TreeScorer:
@@ -276,9 +290,7 @@ class TreeScorer:
         mask[0, 0, :, self.prefix_length:] = torch.from_numpy(ancestors[start:total])
         ids = torch.tensor([self.tokens[start:total]], dtype=torch.long)
         positions = torch.tensor([[self.prefix_length + d for d in self.depths[start:total]]], dtype=torch.long)
-        out = self.policy.causal_lm.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                          past_key_values=self.cache, use_cache=True)
-        self.hidden.append(out.last_hidden_state[0])
+        self.hidden.append(self.forward(self.policy, ids, positions, self.cache, mask))
         self.computed += n
         return list(range(start, total))
 

@@ -235,10 +235,65 @@ def in_pool(jobs: list[tuple], workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def streams_supported(config: PipelineConfig) -> bool:
+    """Whether evaluation runs share one engine, each from its own thread (`inference.streams` > 1 and a
+    concurrent backend)."""
+    from icrl_core.inference.base import engine_class
+
+    return config.inference.streams > 1 and bool(getattr(engine_class(config.inference.backend), "concurrent", False))
+
+
+def in_streams(configs: list[PipelineConfig], resume: list[bool], streams: int):
+    """Yield (index, metrics) of each evaluation run as it finishes: `streams` runs at a time in this process, each
+    from its own thread, all through one inference engine (its base model and each trained adapter loaded once).
+    Torch threads: one per stream (streams on different cores run in parallel), or all cores for the one fused
+    pass at a time when the engine fuses the streams' passes."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    import torch
+
+    from icrl_core.inference.base import engine_from_config
+    from tasks.icrl_eval import evaluate
+
+    first = configs[0]
+    fused = first.inference.fuse_streams
+    threads = (os.cpu_count() or 1) if fused else 1
+    torch.set_num_threads(threads)
+    entries = max(c.icrl_eval.cache_entries or (c.icrl_eval.max_contexts + 1 if c.icrl_eval.strategy == "approximate"
+                                                else 2) for c in configs)
+    engine = engine_from_config(with_overrides(first, {"model.init_adapter": None,
+                                                       "icrl_eval.cache_entries": entries}))
+
+    def one(index: int) -> dict:
+        run = with_overrides(configs[index], {"icrl_eval.threads": threads})
+        with engine.stream() if hasattr(engine, "stream") else _no_context():
+            return evaluate(run, resume=resume[index], progress=True, position=index % streams, engine=engine)
+
+    try:
+        with ThreadPoolExecutor(streams) as pool:
+            futures = {pool.submit(one, index): index for index in range(len(configs))}
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+    finally:
+        engine.close()
+
+
+def _no_context():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bool] | None = None) -> list[dict]:
-    """Run the evaluation `configs` (results in their order), `workers` at a time (`in_pool`).
-    `resume[i]`: continue config i's existing run folder from its log."""
+    """Run the evaluation `configs` (results in their order), `workers` at a time (`in_pool`), or as streams of one
+    engine (`in_streams`) when `streams_supported`. `resume[i]`: continue config i's existing run folder."""
     resume = resume or [False] * len(configs)
+    if configs and streams_supported(configs[0]):
+        results = [None] * len(configs)
+        for index, result in in_streams(configs, resume, configs[0].inference.streams):
+            results[index] = result
+        return results
     jobs = [(_evaluate_job, {"config_json": c.model_dump(mode="json"), "resume": r}) for c, r in zip(configs, resume)]
     results: list = [None] * len(configs)
     for index, result in in_pool(jobs, workers):
@@ -250,12 +305,13 @@ def run_evaluations(configs: list[PipelineConfig], workers: int, resume: list[bo
 # runs do not depend on training); runs in progress live in partial/, forgetting measurements in ability/. All of
 # it is outside the stage's DVC outs, which DVC deletes before the stage runs.
 RESULT_CACHE = Path(".icrl") / "evaluations"
+_ENGINE_SOURCES = ("icrl_core/inference/base.py", "icrl_core/inference/torch_backend.py")
 _ABILITY_SOURCES = ("icrl_core/general_ability.py", "icrl_core/choice_probe.py", "icrl_core/generation.py",
-                    "icrl_core/chat.py", "icrl_core/kernels.py", "icrl_core/model.py")
+                    "icrl_core/chat.py", "icrl_core/kernels.py", "icrl_core/model.py") + _ENGINE_SOURCES
 _FEEDBACK_SOURCES = ("icrl_core/feedback_probe.py", "icrl_core/icrl_eval.py", "icrl_core/prompting.py",
                      "icrl_core/task_data.py", "tasks/icrl_eval.py")
 _HARNESS_SOURCES = ("icrl_core/icrl_eval.py", "icrl_core/kernels.py", "icrl_core/chat.py", "icrl_core/prompting.py",
-                    "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py")
+                    "icrl_core/task_data.py", "icrl_core/model.py", "tasks/icrl_eval.py") + _ENGINE_SOURCES
 
 
 def adapter_digest(adapter: Path) -> str:
@@ -278,15 +334,22 @@ def _model_identity(config: PipelineConfig) -> dict:
 
 def result_key(config: PipelineConfig) -> str:
     """A hash of what a run's outcome depends on: the model (dtype resolved on this machine, a trained adapter by
-    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, and the
-    harness's source code."""
+    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, the
+    inference engine, and the harness's source code."""
     from tasks.icrl_eval import FREE_ON_RESUME
 
     return _digest({
         "model": _model_identity(config),
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+        "engine": engine_identity(config),
     }, _HARNESS_SOURCES)
+
+
+def engine_identity(config: PipelineConfig) -> str:
+    """The backend, marked when the evaluate stage fuses the streams' passes (not bit-identical to exact runs)."""
+    fused = config.inference.fuse_streams and config.inference.streams > 1
+    return config.inference.backend + ("+fused" if fused else "")
 
 
 def _digest(payload: dict, sources: tuple[str, ...]) -> str:
@@ -404,6 +467,12 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
         resumed += again
         jobs.append((_evaluate_job, {"config_json": work_run.model_dump(mode="json"), "resume": again}))
         owners.append(("run", i))
+    if jobs and streams_supported(configs[0]):  # the runs as streams of one engine here, then the measurements
+        runs = [kwargs for _, kwargs in jobs]
+        for index, result in in_streams([PipelineConfig.model_validate(k["config_json"]) for k in runs],
+                                        [k["resume"] for k in runs], configs[0].inference.streams):
+            results[owners[index][1]] = keep(owners[index][1], Path(result["run_dir"]))
+        jobs, owners = [], []
     abilities: list[dict | None] = [stored_ability(config, a) for a in ability_adapters] if config else []
     for j, adapter in enumerate(ability_adapters):
         if abilities[j] is None:

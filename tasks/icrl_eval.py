@@ -227,6 +227,31 @@ def load_eval_policy(config: PipelineConfig):
     return policy_from_config(config.model)
 
 
+class EvalModel:
+    """The model an evaluation reaches through its inference engine (`inference.backend`), with the tokenizer and
+    context window the harness renders prompts with."""
+
+    def __init__(self, engine, tokens, window: int, adapter: str | None, policy=None):
+        self.engine, self.tokens, self.window, self.adapter, self.policy = engine, tokens, window, adapter, policy
+
+
+def load_eval_model(config: PipelineConfig, engine=None) -> EvalModel:
+    """The inference engine of config.inference for config.model (a trained adapter: model.init_adapter). The torch
+    engine serves the policy loaded here; another backend loads the weights itself (only the tokenizer here).
+    `engine`: an engine already serving this model (several evaluation streams share one)."""
+    from icrl_core.inference.base import engine_from_config
+
+    adapter = str(config.model.init_adapter) if config.model.init_adapter is not None else None
+    if engine is not None:
+        tokens, window = load_tokens_and_window(config.model.spec, config.model.cache_dir)
+        return EvalModel(engine, tokens, window, adapter)
+    if config.inference.backend == "torch":
+        policy = load_eval_policy(config)
+        return EvalModel(engine_from_config(config, policy), policy.tokens, policy.context_window, adapter, policy)
+    tokens, window = load_tokens_and_window(config.model.spec, config.model.cache_dir)
+    return EvalModel(engine_from_config(config), tokens, window, adapter)
+
+
 def load_eval_task(config: PipelineConfig):
     from icrl_core.task_data import load_task_from_source
 
@@ -311,14 +336,14 @@ def prepare_run_dir(config: PipelineConfig, resume: bool) -> tuple[Path, list[di
 
 def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True,
              echo: Callable[[str], None] | None = None, on_test: Callable[[dict], None] | None = None,
-             position: int | None = None) -> dict:
+             position: int | None = None, engine=None) -> dict:
     """Run (or resume) one in-context RL evaluation; return its metrics. `position`: the progress bar's line
-    when several runs share a terminal."""
+    when several runs share a terminal; `engine`: an inference engine already serving config.model (several runs
+    share one, each from its own thread), else one is made for this run."""
     import torch
 
     from icrl_core.icrl_eval import (DebugEvent, EvaluationEvent, Predictor, StepEvent, history_from_events,
                                      run_protocol, summarize)
-    from icrl_core.kernels import PrefixCache
     from tasks.tracking import stage_run
 
     cfg = config.icrl_eval
@@ -330,18 +355,17 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     task.test_set(cfg.test_k, cfg.test_seed)
     run_dir, steps, tests = prepare_run_dir(config, resume)
     started = time.perf_counter()
-    policy = load_eval_policy(config)
+    model = load_eval_model(config, engine)
     info_path = run_dir / "run.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     if "max_examples" not in info:
         info.update(task=task.name, strategy=cfg.strategy, labels=len(task.labels), model=config.model.spec,
-                    max_examples=resolve_max_examples(cfg, task, policy.tokens, policy.context_window),
+                    max_examples=resolve_max_examples(cfg, task, model.tokens, model.window),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     max_examples = info["max_examples"]
-    capacity = cfg.cache_entries or (cfg.max_contexts + 1 if cfg.strategy == "approximate" else 2)
-    cache = PrefixCache(policy, capacity=capacity, reuse=cfg.reuse_cache, chunk_tokens=cfg.chunk_tokens)
-    predictor = Predictor(policy, policy.tokens, task.template, task.labels, cache, cfg.temperature,
-                          expand=cfg.expand, batch_tokens=cfg.batch_tokens)
+    predictor = Predictor(model.policy, model.tokens, task.template, task.labels, None, cfg.temperature,
+                          expand=cfg.expand, batch_tokens=cfg.batch_tokens, engine=model.engine,
+                          adapter=model.adapter)
     info.update(status="running", expand=predictor.expand, resumed_at_step=len(steps) if steps else None)
     atomic_write_json(info_path, info)
     echo(f"run folder {run_dir}: {task.name}, strategy {cfg.strategy}, max {max_examples} in-context episodes, "
@@ -421,10 +445,13 @@ def measure_feedback(config: PipelineConfig, policy, target: str, counts: Sequen
     evaluate stage), with the model it measured."""
     from icrl_core.feedback_probe import feedback_sensitivity, probe_size
     from icrl_core.icrl_eval import Predictor
-    from icrl_core.kernels import PrefixCache
+    from icrl_core.inference.base import engine_from_config
 
     task = load_eval_task(config)
-    predictor = Predictor(policy, policy.tokens, task.template, task.labels, PrefixCache(policy), 1.0)
+    adapter = str(config.model.init_adapter) if config.model.init_adapter is not None else None
+    engine = engine_from_config(config, policy)
+    predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, 1.0, engine=engine,
+                          adapter=adapter)
     bar = _progress(probe_size(counts, n_queries), 0, progress,
                     f"feedback probe ({name})" if name else "feedback probe", position)
     try:

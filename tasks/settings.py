@@ -30,6 +30,7 @@ from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, DataConf
                               ModelConfig, ModelReward, PPOConfig, RewardModelConfig, Section, SyntheticSource,
                               TaskReward, TaskSource, TokenizeConfig)
 from icrl_core.errors import ConfigError
+from icrl_core.inference.config import InferenceConfig
 
 ENV_PREFIX = "ICRL_"
 ENV_NESTED_DELIMITER = "__"
@@ -127,6 +128,7 @@ class PipelineConfig(Section):
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     icrl_eval: EvalConfig = Field(default_factory=EvalConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from icrl_core.config import EvaluateConfig
-from tasks.settings import load_config
+from tasks.settings import load_config, with_overrides
 from tasks.evaluate import _eval_config, gates, run_evaluations
 
 
@@ -31,6 +31,19 @@ def test_runs_in_a_process_pool_equal_runs_in_turn(tmp_path):
     for a, b in zip(in_turn, pooled):
         assert a["test_accuracy"] == b["test_accuracy"] and a["regret"] == b["regret"]
         assert _steps(a["run_dir"]) == _steps(b["run_dir"])
+
+
+def test_runs_as_streams_of_one_engine_equal_runs_in_turn(tmp_path):
+    """inference.streams: three runs through one engine from three threads; exact, and with their passes fused."""
+    in_turn = run_evaluations(_configs(tmp_path / "serial"), workers=1)
+    for mode, fuse in (("streams", "false"), ("fused", "true")):
+        configs = [with_overrides(c, {"inference.streams": 3, "inference.fuse_streams": fuse})
+                   for c in _configs(tmp_path / mode)]
+        streamed = run_evaluations(configs, workers=1)
+        assert [r["strategy"] for r in streamed] == ["explorative", "naive", "zero_shot"]
+        for a, b in zip(in_turn, streamed):
+            assert _steps(a["run_dir"]) == _steps(b["run_dir"])
+            assert a["test_accuracy"] == b["test_accuracy"]
 
 
 def test_a_strategy_may_explore_hotter_while_every_run_is_tested_alike():

@@ -102,6 +102,17 @@ def test_make_strategy_and_supervision():
     assert show_for(EvalConfig(strategy="zero_shot")).system_with_feedback is False
 
 
+def test_naive_block_eviction_keeps_a_growing_prefix_between_evictions():
+    history = _history([1] * 20)
+    sliding, block = Naive(max_examples=5, seed=0), Naive(max_examples=5, seed=0, evict=3)
+    assert [sliding.select(history[:t], t) for t in range(7, 9)] == [[2, 3, 4, 5, 6], [3, 4, 5, 6, 7]]
+    sizes = [len(block.select(history[:t], t)) for t in range(13)]
+    assert sizes == [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5, 3]
+    # between evictions each context extends the previous one (the cache is reused); every context is recent
+    assert block.select(history[:8], 8)[:-1] == block.select(history[:7], 7)
+    assert block.select(history[:12], 12) == [9, 10, 11]
+
+
 def test_evaluation_steps_follow_the_paper_and_include_the_end():
     assert evaluation_steps(1000, 250) == [0, 249, 499, 749, 999]
     assert evaluation_steps(10, 4) == [0, 3, 7, 9]
@@ -201,6 +212,19 @@ def test_reuse_gives_the_same_run_as_recomputing(tiny, strategy):
         fast = sum(s["tokens_computed"] for s in fast_steps[1:12])
         slow = sum(s["tokens_computed"] for s in slow_steps[1:12])
         assert fast * 3 < slow
+
+
+def test_block_eviction_is_exact_on_the_engine_and_reuses_the_full_context(tiny):
+    task = keyword_map(seed=3)
+    cfg = EvalConfig(task="keyword_map", strategy="naive", train_k=30, test_every=10, test_k=6, evict_episodes=6)
+    fast_steps, fast_tests = _run(tiny, task, cfg, reuse=True)
+    slow_steps, slow_tests = _run(tiny, task, cfg, reuse=False)
+    assert _deterministic(fast_steps) == _deterministic(slow_steps)
+    assert _deterministic(fast_tests) == _deterministic(slow_tests)
+    assert {len(s["context"]) for s in fast_steps[13:]} == {7, 8, 9, 10, 11, 12}
+    sliding_steps, _ = _run(tiny, task, cfg.model_copy(update={"evict_episodes": 1}), reuse=True)
+    full = lambda steps: sum(s["tokens_computed"] for s in steps[13:])
+    assert full(fast_steps) * 2 < full(sliding_steps)
 
 
 def test_trie_and_path_decoding_agree(tiny, tasks_dir):

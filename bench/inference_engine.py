@@ -1,0 +1,273 @@
+"""Benchmark: the evaluation harness on the inference engine vs a recompute-every-step port of the paper's protocol.
+
+Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolLM2-135M fp32, 2048-token window):
+
+1. single stream (one torch thread per run, the runs of a part side by side so they see the same load):
+   * explorative: the torch engine (exact: prefix reuse + tree-packed candidates) vs the port (`reuse=False`:
+     every prompt computed from scratch, every query on its own), same seed/cap/steps;
+   * naive: the port, the engine on the paper's sliding window (exact), and the engine on the block-eviction
+     variant (`icrl_eval.evict_episodes`, a different protocol), whose per-step prediction agreement and
+     test-accuracy curve vs the exact protocol are reported. Steps are split into the growing phase (context
+     not yet full) and the full phase, whose rate is stationary: the 1000-step rate is projected from it.
+2. aggregate (all cores): the same evaluation runs (explorative, several seeds) through the evaluate stage's code
+   (`tasks.evaluate.run_evaluations`): today's pool (one single-threaded process per core) vs one engine serving
+   them as streams (threads), exact and with fused passes (`inference.fuse_streams`); steps summed over the runs
+   per wall second, and the fused runs' prediction agreement with the pool's.
+
+    .venv/bin/python bench/inference_engine.py --quick     # a few minutes: short runs
+    .venv/bin/python bench/inference_engine.py             # the full bench (~1 h on a busy 2-core machine)
+
+Writes bench/results/inference_engine.json (the machine's load averages before and after each part included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TASKS_DIR = str(ROOT.parent / "shared" / "data" / "icrl-tasks")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One single-stream run (in its own process)
+
+
+def one_run(spec: dict) -> dict:
+    import torch
+
+    from icrl_core.config import EvalConfig
+    from icrl_core.icrl_eval import EvaluationEvent, Predictor, StepEvent, max_context_examples, run_protocol, show_for
+    from icrl_core.inference.torch_backend import TorchEngine
+    from icrl_core.model import load_policy
+    from icrl_core.task_data import load_task
+
+    torch.set_num_threads(1)
+    policy = load_policy("smollm2-135m", dtype="float32")
+    task = load_task(spec["task"], TASKS_DIR)
+    cfg = EvalConfig(task=spec["task"], strategy=spec["strategy"], train_k=spec["steps"],
+                     test_every=spec["test_every"], test_k=spec["test_k"], seed=100, training_seed=100,
+                     test_seed=100, evict_episodes=spec["evict"])
+    max_examples = max_context_examples(task, policy.tokens, show_for(cfg), 2048)
+    engine = TorchEngine(policy, reuse=spec["mode"] != "recompute")
+    predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, cfg.temperature, engine=engine)
+    steps, tests = [], []
+    started = time.perf_counter()
+    for event in run_protocol(predictor, task, cfg, max_examples):
+        if isinstance(event, StepEvent):
+            steps.append(event.to_json())
+        elif isinstance(event, EvaluationEvent):
+            tests.append(event.to_json())
+    wall = time.perf_counter() - started
+
+    def phase(rows):
+        seconds = sum(r["seconds"] for r in rows)
+        return {"steps": len(rows), "seconds": round(seconds, 2),
+                "steps_per_s": round(len(rows) / seconds, 4) if seconds else None,
+                "tokens_computed_per_step": round(sum(r["tokens_computed"] for r in rows) / len(rows), 1)
+                if rows else None}
+
+    return {**spec, "max_examples": max_examples, "steps_per_s": phase(steps)["steps_per_s"],
+            "tokens_computed_per_step": phase(steps)["tokens_computed_per_step"],
+            "prompt_tokens_per_step": round(sum(s["prompt_tokens"] for s in steps) / len(steps), 1),
+            "growing_phase": phase([s for s in steps if s["step"] <= max_examples]),
+            "full_phase": phase([s for s in steps if s["step"] > max_examples]),
+            "test_seconds": round(sum(t["seconds"] for t in tests), 2), "wall_seconds": round(wall, 2),
+            "predictions": [s["prediction"] for s in steps],
+            "test_curve": {t["step"]: t["accuracy"] for t in tests},
+            "test_predictions": {t["step"]: t["predictions"] for t in tests}}
+
+
+def side_by_side(specs: list[dict]) -> tuple[list[dict], dict]:
+    """Run the specs at once, each in its own process with one torch thread; (results, load averages)."""
+    load_before = os.getloadavg()
+    procs = []
+    for spec in specs:
+        procs.append(subprocess.Popen([sys.executable, __file__, "--one", json.dumps(spec)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    results = []
+    for spec, proc in zip(specs, procs):
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            sys.exit(f"{spec} failed:\n{stderr[-3000:]}")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results, {"before": load_before, "after": os.getloadavg()}
+
+
+def agreement(a: list, b: list) -> float:
+    return round(sum(x == y for x, y in zip(a, b)) / max(1, min(len(a), len(b))), 4)
+
+
+def test_agreement(a: dict, b: dict) -> dict:
+    """Per shared evaluation step, the share of test queries both answered alike (on the common prefix)."""
+    out = {}
+    for step in sorted(set(a) & set(b), key=int):
+        n = min(len(a[step]), len(b[step]))
+        out[str(step)] = round(sum(x == y for x, y in zip(a[step][:n], b[step][:n])) / n, 4)
+    return out
+
+
+def rate(run: dict, phase: str | None = None) -> float:
+    return run[phase]["steps_per_s"] if phase else run["steps_per_s"]
+
+
+def projected_rate(run: dict, steps: int) -> float:
+    """Steps/s over `steps` steps from the measured growing phase and the stationary full-phase rate."""
+    grow, full = run["growing_phase"], run["full_phase"]
+    seconds = grow["seconds"] + (steps - grow["steps"]) / full["steps_per_s"]
+    return round(steps / seconds, 4)
+
+
+def single_stream(args) -> dict:
+    out: dict = {}
+    print(f"explorative: engine vs port, {args.explorative_steps} steps ...", flush=True)
+    common = {"task": args.task, "strategy": "explorative", "steps": args.explorative_steps, "evict": 1}
+    runs, load = side_by_side([{**common, "mode": "engine", "test_every": 10**9, "test_k": args.test_k},
+                               {**common, "mode": "recompute", "test_every": 10**9, "test_k": args.test_k}])
+    engine, port = runs
+    out["explorative"] = {
+        "engine": "torch", "mode": "exact", "load_avg": load,
+        "engine_steps_per_s": rate(engine), "port_steps_per_s": rate(port),
+        "speedup": round(rate(engine) / rate(port), 2),
+        "identical_predictions": engine["predictions"] == port["predictions"],
+        "tokens_per_step": {"engine": engine["tokens_computed_per_step"], "port": port["tokens_computed_per_step"]},
+        "runs": [_strip(r) for r in runs]}
+    print(json.dumps({k: v for k, v in out["explorative"].items() if k != "runs"}), flush=True)
+
+    print(f"naive: port, exact engine, block eviction (k={args.evict}), {args.naive_steps} steps ...", flush=True)
+    common = {"task": args.task, "strategy": "naive", "steps": args.naive_steps, "test_every": args.test_every}
+    runs, load = side_by_side([{**common, "mode": "recompute", "evict": 1, "test_k": args.port_test_k},
+                               {**common, "mode": "engine", "evict": 1, "test_k": args.test_k},
+                               {**common, "mode": "engine", "evict": args.evict, "test_k": args.test_k}])
+    port, exact, block = runs
+    naive = {"load_avg": load, "max_examples": exact["max_examples"], "port": _rates(port, args),
+             "exact": {"engine": "torch", "mode": "exact (sliding window, the paper's protocol)", **_rates(exact, args),
+                       "identical_predictions_to_port": exact["predictions"] == port["predictions"]},
+             "block_eviction": {"engine": "torch", "mode": f"protocol variant: evict_episodes={args.evict}",
+                                **_rates(block, args),
+                                "step_prediction_agreement_with_exact": agreement(block["predictions"],
+                                                                                  exact["predictions"]),
+                                "test_accuracy_curve": block["test_curve"],
+                                "exact_test_accuracy_curve": exact["test_curve"],
+                                "test_prediction_agreement_with_exact": test_agreement(block["test_predictions"],
+                                                                                       exact["test_predictions"])},
+             "runs": [_strip(r) for r in runs]}
+    for name in ("exact", "block_eviction"):
+        entry = naive[name]
+        entry["speedup"] = round(entry["steps_per_s"] / naive["port"]["steps_per_s"], 2)
+        entry["full_phase_speedup"] = round(entry["full_phase_steps_per_s"] / naive["port"]["full_phase_steps_per_s"], 2)
+        entry["projected_1000_step_speedup"] = round(entry["projected_1000_steps_per_s"]
+                                                     / naive["port"]["projected_1000_steps_per_s"], 2)
+    out["naive"] = naive
+    print(json.dumps({k: v for k, v in naive.items() if k != "runs"}), flush=True)
+    return out
+
+
+def _rates(run: dict, args) -> dict:
+    return {"steps_per_s": rate(run), "growing_phase_steps_per_s": rate(run, "growing_phase"),
+            "full_phase_steps_per_s": rate(run, "full_phase"),
+            "projected_1000_steps_per_s": projected_rate(run, 1000),
+            "tokens_per_step": run["tokens_computed_per_step"],
+            "full_phase_tokens_per_step": run["full_phase"]["tokens_computed_per_step"]}
+
+
+def _strip(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k not in ("predictions", "test_predictions")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregate throughput through the evaluate stage's scheduling
+
+
+def aggregate(args) -> dict:
+    from tasks.settings import load_config
+    from tasks.evaluate import run_evaluations
+
+    modes = [("pool", {"inference.streams": 1}, 2),
+             ("streams", {"inference.streams": args.streams, "inference.fuse_streams": False}, 1),
+             ("fused", {"inference.streams": args.streams, "inference.fuse_streams": True}, 1)]
+    out: dict = {"runs": args.streams, "steps_per_run": args.aggregate_steps, "strategy": "explorative",
+                 "seeds": list(range(100, 100 + args.streams))}
+    predictions = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, overrides, workers in modes:
+            configs = [load_config(None, [
+                "model.spec=smollm2-135m", "model.dtype=float32", "tracking.enabled=false",
+                f"data.tasks_dir={TASKS_DIR}", f"icrl_eval.task={args.task}", "icrl_eval.strategy=explorative",
+                f"icrl_eval.train_k={args.aggregate_steps}", "icrl_eval.test_every=1000000",
+                f"icrl_eval.test_k={args.test_k}", "icrl_eval.context_window=2048", f"icrl_eval.seed={seed}",
+                f"icrl_eval.run_name={name}-{seed}", f"icrl_eval.output_dir={folder}/{name}"]
+                + [f"{k}={v}" for k, v in overrides.items()], environ={}) for seed in out["seeds"]]
+            print(f"aggregate: {name} ({len(configs)} runs) ...", flush=True)
+            load_before = os.getloadavg()
+            started = time.perf_counter()
+            results = run_evaluations(configs, workers=workers)
+            wall = time.perf_counter() - started
+            steps = sum(r["steps"] for r in results)
+            predictions[name] = [[json.loads(line)["prediction"] for line in
+                                  (Path(r["run_dir"]) / "steps.jsonl").read_text().splitlines()] for r in results]
+            out[name] = {"wall_seconds": round(wall, 1), "steps": steps,
+                         "aggregate_steps_per_s": round(steps / wall, 4),
+                         "load_avg": {"before": load_before, "after": os.getloadavg()},
+                         "settings": {**overrides, "evaluate.workers": workers}}
+            print(f"  {json.dumps(out[name])}", flush=True)
+    for name in ("streams", "fused"):
+        out[name]["speedup_vs_pool"] = round(out[name]["aggregate_steps_per_s"] / out["pool"]["aggregate_steps_per_s"], 2)
+        out[name]["step_prediction_agreement_with_pool"] = agreement(sum(predictions[name], []),
+                                                                     sum(predictions["pool"], []))
+    out["streams"]["mode"] = "exact (threads, per-stream caches, one copy of the weights)"
+    out["fused"]["mode"] = "fused ragged passes (float rounding may differ from exact)"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (development)")
+    parser.add_argument("--task", default="trec_coarse")
+    parser.add_argument("--explorative-steps", type=int, default=200)
+    parser.add_argument("--naive-steps", type=int, default=150,
+                        help="naive steps (the port's full-phase steps cost ~10 s each on a busy core)")
+    parser.add_argument("--evict", type=int, default=14, help="evict_episodes of the block-eviction variant")
+    parser.add_argument("--test-every", type=int, default=25)
+    parser.add_argument("--test-k", type=int, default=24)
+    parser.add_argument("--port-test-k", type=int, default=2, help="test queries of the port (each recomputes "
+                        "the whole prompt; its test predictions are not compared)")
+    parser.add_argument("--aggregate-steps", type=int, default=100)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--parts", nargs="+", default=["single", "aggregate"], choices=["single", "aggregate"])
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "inference_engine.json"))
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(json.loads(args.one))))
+        return
+    if args.quick:
+        args.explorative_steps, args.naive_steps, args.aggregate_steps = 40, 40, 20
+        args.test_every, args.test_k = 10, 8
+    result = {"benchmark": "inference_engine", "task": args.task, "model": "smollm2-135m", "dtype": "float32",
+              "context_window": 2048, "quick": args.quick, "threads_per_run": 1,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "note": "shared 2-core machine, other engineers' jobs running (see load averages)"},
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if "single" in args.parts:
+        result["single_stream"] = single_stream(args)
+    if "aggregate" in args.parts:
+        result["aggregate"] = aggregate(args)
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    from icrl_core.io import atomic_write_json
+
+    atomic_write_json(args.output, result)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

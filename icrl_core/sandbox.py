@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -227,7 +227,7 @@ report('{"timeout": %s, "exit": %d}' % ("true" if timed_out else "false", os.wai
 os._exit(0)
 '''
 
-@lru_cache(maxsize=None)
+@cache
 def namespaces_available() -> bool:
     """Whether this process may create network/mount/PID namespaces and chroot (CAP_SYS_ADMIN, CAP_SYS_CHROOT,
     CAP_SETUID): checked once by running a trivial program with them."""
@@ -382,7 +382,7 @@ def _collect(proc: subprocess.Popen, status_read: int, config: SandboxConfig, is
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 verdict = ("timeout", f"wall-clock timeout ({config.wall_seconds:g} s): the sandbox did not "
-                           "answer, process group killed")
+                                      "answer, process group killed")
                 break
             for key, _ in sel.select(timeout=remaining):
                 chunk = os.read(key.fd, 1 << 16)
@@ -439,14 +439,15 @@ def _feed(pipe, data: bytes) -> None:
 def run_program(source: str, config: SandboxConfig | None = None, stdin: str = "",
                 files: dict[str, str] | None = None) -> SandboxResult:
     """Run one Python program (the text of main.py; `files` are extra files beside it) in the sandbox."""
-    return run_programs([source], config, stdin=stdin, files=[files] if files else None)[0]
+    return run_programs([source], config, stdins=[stdin], files=[files])[0]
 
 
-def run_programs(sources: list[str], config: SandboxConfig | None = None, stdin: str = "",
+def run_programs(sources: list[str], config: SandboxConfig | None = None, stdins: list[str] | None = None,
                  files: list[dict[str, str] | None] | None = None) -> list[SandboxResult]:
     """Run programs in the sandbox, up to `config.workers` at once; results in the order of `sources`."""
     config = config or SandboxConfig()
     isolation = resolve_isolation(config)
+    stdins = stdins or [""] * len(sources)
     files = files or [None] * len(sources)
     slots: list[int] = list(range(config.workers))
     lock = threading.Lock()
@@ -455,7 +456,7 @@ def run_programs(sources: list[str], config: SandboxConfig | None = None, stdin:
         with lock:
             slot = slots.pop()
         try:
-            return _run_one(sources[index], config, isolation, slot, stdin.encode(), files[index])
+            return _run_one(sources[index], config, isolation, slot, stdins[index].encode(), files[index])
         finally:
             with lock:
                 slots.append(slot)

@@ -25,8 +25,8 @@ import pydantic_core
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, DataConfig, EvalConfig, EvaluateConfig,
-                              FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter, LoraAdapter, MixedReward,
+from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConfig, DataConfig, EvalConfig,
+                              EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter, LoraAdapter, MixedReward,
                               ModelConfig, ModelReward, PPOConfig, RewardModelConfig, Section, SyntheticSource,
                               TaskReward, TaskSource, TokenizeConfig)
 from icrl_core.errors import ConfigError
@@ -129,6 +129,7 @@ class PipelineConfig(Section):
     icrl_eval: EvalConfig = Field(default_factory=EvalConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    code: CodeConfig = Field(default_factory=CodeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)

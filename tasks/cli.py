@@ -74,7 +74,8 @@ def list_tasks(
     params: ParamsOpt = None,
     overrides: SetOpt = None,
 ) -> None:
-    """List the classification tasks (real, unsemantic, synthetic) with their label and example counts."""
+    """List the classification tasks (real, unsemantic, synthetic) with their label and example counts, and the
+    code-task family (Python functions with hidden tests) per template, level and split."""
     from rich.table import Table
 
     from icrl_core.task_data import available_tasks, load_task
@@ -90,6 +91,27 @@ def list_tasks(
         table.add_row(name, str(len(task.labels)), str(len(task.train)), str(len(task.test)),
                       task.template.query_prefix, task.template.answer_prefix)
     console().print(table)
+    console().print(_code_task_table(cfg.code.task_seed, cfg.code.variants))
+
+
+def _code_task_table(seed: int, variants: int):
+    from rich.markup import escape
+    from rich.table import Table
+
+    from icrl_core.code_tasks import code_tasks
+
+    tasks = code_tasks(seed, variants)
+    table = Table("code template", "family", "level", "split", "tasks", "example",
+                  title=f"code_tasks: {len(tasks)} Python function tasks "
+                  f"({sum(t.split == 'train' for t in tasks)} train, {sum(t.split == 'test' for t in tasks)} test; "
+                  f"split by template; seed {seed})")
+    by_template: dict[str, list] = {}
+    for task in tasks:
+        by_template.setdefault(task.template, []).append(task)
+    for name, group in by_template.items():
+        first = group[0]
+        table.add_row(name, first.family, str(first.level), first.split, str(len(group)), escape(first.signature))
+    return table
 
 
 @config_app.command("show")

@@ -277,7 +277,8 @@ def run_length(rng):
                     + ("the run length, '{sep}' and the character" if count_first
                        else "the character, '{sep}' and the run length").format(sep=sep)
                     + f" (e.g. 'aab' -> {example}).",
-                    "out = []\n    i = 0\n    while i < len(s):\n        j = i\n        while j < len(s) and s[j] == s[i]:\n"
+                    "out = []\n    i = 0\n    while i < len(s):\n        j = i\n"
+                    "        while j < len(s) and s[j] == s[i]:\n"
                     f"            j += 1\n        out.append({run.format(sep=sep)})\n        i = j\n"
                     "    return ''.join(out)",
                     lambda r: ("".join(r.choice("ab") * r.randint(1, 3) for _ in range(r.randint(0, 4))),))
@@ -364,7 +365,8 @@ def most_common_char(rng):
                     f"Return the character other than '{skip}' that occurs most often in s (s always has one); on "
                     "a tie, the one "
                     + ("that occurs first in s." if tie == "first" else "that is alphabetically smallest."),
-                    f"counts = {{}}\n    for c in s:\n        if c != {skip!r}:\n            counts[c] = counts.get(c, 0) + 1\n"
+                    f"counts = {{}}\n    for c in s:\n        if c != {skip!r}:\n"
+                    "            counts[c] = counts.get(c, 0) + 1\n"
                     + ("    return max(counts, key=lambda c: (counts[c], -s.index(c)))" if tie == "first"
                        else "    return min(counts, key=lambda c: (-counts[c], c))"),
                     lambda r: (_word(r, 0, 8, "abcdef") + r.choice("abcdef".replace(skip, "")),))
@@ -386,7 +388,8 @@ def count_primes_below(rng):
     k = rng.randint(0, 12)
     return _Variant(f"primes_below_plus_{k}", "n: int", "int",
                     f"Return the number of primes strictly less than n, plus {k}.",
-                    "count = 0\n    for m in range(2, n):\n        if all(m % d for d in range(2, int(m ** 0.5) + 1)):\n"
+                    "count = 0\n    for m in range(2, n):\n"
+                    "        if all(m % d for d in range(2, int(m ** 0.5) + 1)):\n"
                     f"            count += 1\n    return count + {k}", lambda r: (r.randint(0, 60),))
 
 

@@ -1,13 +1,14 @@
 """Run untrusted Python programs (model-written code) in their own process, contained.
 
-Each program runs as `python -I -S -B` started by a small trusted bootstrap (`_BOOTSTRAP` below) that sets the
-containment up before the program's first line runs. Two mechanisms, chosen by `SandboxConfig.isolation`:
+Each program runs in its own process, forked from a warm `python -I -S -B` zygote (`_ZYGOTE` below) by a small
+trusted bootstrap that sets the containment up before the program's first line runs. Two mechanisms, chosen by
+`SandboxConfig.isolation`:
 
 - `namespaces` (needs CAP_SYS_ADMIN, e.g. root in a container): new network, mount, PID, IPC and UTS
   namespaces; a size-capped tmpfs root holding read-only binds of /usr and the Python installation plus an empty
   working directory, entered with chroot (no /proc, /sys, /home, /root or project folder inside); the program is
   PID 1 of its PID namespace, so when it dies the kernel kills every process it started (setsid or double forks
-  do not escape); it runs under a dedicated unprivileged uid per worker slot (`uid_base + slot`), so
+  do not escape); it runs under a dedicated unprivileged uid per worker slot (`slot_uid`), so
   RLIMIT_NPROC counts only that slot's processes (root ignores RLIMIT_NPROC) and it cannot signal or read
   anything of other users.
 - `audit_hook` (fallback, any user): the same process and resource limits, an empty temporary working
@@ -25,11 +26,13 @@ a minimal environment, and capped stdout/stderr (reading stops and the program i
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import resource
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,129 +106,160 @@ class SandboxResult:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The bootstrap: trusted code run as `python -I -S -B -c _BOOTSTRAP SETTINGS_JSON` in a new session. It sets the
-# containment up, forks the program's process, enforces the wall clock on it and reports how it ended on fd
-# `status_fd` (one JSON line "pid", then one "end"). Only the standard library; nothing of the project.
+# The zygote: trusted code run once per calling process and isolation as `python -I -S -B -c _ZYGOTE FD`, as the
+# caller's user. It imports what programs and the harness commonly need once, then for each request on the unix
+# socket FD (a settings dict literal plus the program's stdin, stdout, stderr and a status pipe) forks a
+# bootstrap: a new session that sets the containment up, forks the program's process, enforces the wall clock
+# on it and reports on the status pipe (one line with its process group, one with the program's pid, one with
+# how it ended). Forking a warm interpreter instead of starting one per program is what makes the sandbox
+# about as fast as a bare subprocess. Only the standard library; nothing of the project.
 
-_BOOTSTRAP = r'''
-import os, resource, select, signal, sys
-S = eval(sys.argv[1], {"__builtins__": {}})  # a dict literal written by the parent (trusted)
-status, work, namespaces = S["status_fd"], S["work"], S["isolation"] == "namespaces"
-def report(line):
-    os.write(status, (line + "\n").encode())
-if namespaces:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    def ok(rc, what):
-        if rc != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, what + ": " + os.strerror(e))
-    def mount(src, dst, fstype, flags, data=None):
-        ok(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
-                      data and data.encode()), "mount " + dst)
-    MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-    # network, mount, PID, IPC, UTS namespaces; the next fork is PID 1 of the new PID namespace
-    ok(libc.unshare(0x40000000 | 0x00020000 | 0x20000000 | 0x08000000 | 0x04000000), "unshare")
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    root, uid = S["root"], S["uid"]
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=%dk,mode=755" % S["disk_kb"])
-    for src in S["binds"]:
-        dst = root + src
-        if os.path.islink(src):
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            os.symlink(os.readlink(src), dst)
-            continue
-        os.makedirs(dst, exist_ok=True)
-        mount(src, dst, None, MS_BIND | MS_REC)
-        mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.mkdir(root + "/dev")
-    for dev in ("null", "zero", "urandom", "random"):
-        open(root + "/dev/" + dev, "w").close()
-        mount("/dev/" + dev, root + "/dev/" + dev, None, MS_BIND)
-    os.mkdir(root + "/tmp")
-    os.chmod(root + "/tmp", 0o1777)
-    os.mkdir(root + "/sandbox", 0o700)
-    for name in os.listdir(work):
-        with open(work + "/" + name, "rb") as f, open(root + "/sandbox/" + name, "wb") as g:
-            g.write(f.read())
-        os.chown(root + "/sandbox/" + name, uid, uid)
-    os.chown(root + "/sandbox", uid, uid)
-    os.chroot(root)
-    work = "/sandbox"
-os.chdir(work)
-pid = os.fork()
-if pid == 0:
-    os.close(status)
-    for name, limit in S["limits"].items():
-        resource.setrlimit(getattr(resource, name), limit)
+_ZYGOTE = r'''
+import ast, atexit, ctypes, json, os, resource, select, signal, socket, sys, time, traceback
+def bootstrap(S, status):
+    work, namespaces = S["work"], S["isolation"] == "namespaces"
+    def report(line):
+        os.write(status, (line + "\n").encode())
+    report('{"group": %d}' % os.getpgrp())
     if namespaces:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (after setuid, which clears it)
-        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-        del libc, mount, ok
-    else:
-        # fallback containment: refuse sockets, ctypes, new processes, files outside the working directory and
-        # the Python installation, and signals to other processes
-        def install_audit_hook(allowed, own, blocked):
-            realpath, join, cwd, fsdecode = os.path.realpath, os.path.join, os.getcwd(), os.fsdecode
-            def hook(event, args):
-                if event.startswith(("socket.", "ctypes.")) or event in blocked:
-                    raise PermissionError("sandbox: " + event + " is not allowed")
-                if event == "open" and not isinstance(args[0], int):
-                    path = realpath(join(cwd, fsdecode(args[0])))
-                    if not any(path == a or path.startswith(a + "/") for a in allowed):
-                        raise PermissionError("sandbox: no access to " + path)
-                elif event == "os.kill" and args[0] not in (0, own):
-                    raise PermissionError("sandbox: signals to other processes are not allowed")
-            sys.addaudithook(hook)
-        install_audit_hook((S["prefix"], os.getcwd(), "/dev/null", "/dev/urandom"), os.getpid(),
-                           ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                            "os.forkpty"))
-    os.environ.clear()
-    os.environ.update(S["env"])
-    # The program runs in this forked, already contained interpreter as a fresh __main__ module (one interpreter
-    # start per program, not two); the working directory is on sys.path so tests can import a solution module.
-    # It ends with os._exit after flushing (atexit handlers run; the interpreter's slow teardown is skipped).
-    del S, report, status
-    main = type(sys)("__main__")
-    main.__file__ = "main.py"
-    sys.modules["__main__"] = main
-    sys.argv = ["main.py"]
-    sys.path.insert(0, ".")
-    try:
-        with open("main.py", "rb") as f:
-            code = compile(f.read(), "main.py", "exec")
-        del f
-        exec(code, main.__dict__)
-        exit_code = 0
-    except SystemExit as e:
-        exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        exit_code = 1
-    import atexit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        def ok(rc, what):
+            if rc != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, what + ": " + os.strerror(e))
+        def mount(src, dst, fstype, flags, data=None):
+            ok(libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags,
+                          data and data.encode()), "mount " + dst)
+        MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+        # network, mount, PID, IPC, UTS namespaces; the next fork is PID 1 of the new PID namespace
+        ok(libc.unshare(0x40000000 | 0x00020000 | 0x20000000 | 0x08000000 | 0x04000000), "unshare")
+        mount(None, "/", None, MS_REC | MS_PRIVATE)
+        root, uid = S["root"], S["uid"]
+        mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=%dk,mode=755" % S["disk_kb"])
+        for src in S["binds"]:
+            dst = root + src
+            if os.path.islink(src):
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.symlink(os.readlink(src), dst)
+                continue
+            os.makedirs(dst, exist_ok=True)
+            mount(src, dst, None, MS_BIND | MS_REC)
+            mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.mkdir(root + "/dev")
+        for dev in ("null", "zero", "urandom", "random"):
+            open(root + "/dev/" + dev, "w").close()
+            mount("/dev/" + dev, root + "/dev/" + dev, None, MS_BIND)
+        os.mkdir(root + "/tmp")
+        os.chmod(root + "/tmp", 0o1777)
+        os.mkdir(root + "/sandbox", 0o700)
+        for name in os.listdir(work):
+            with open(work + "/" + name, "rb") as f, open(root + "/sandbox/" + name, "wb") as g:
+                g.write(f.read())
+            os.chown(root + "/sandbox/" + name, uid, uid)
+        os.chown(root + "/sandbox", uid, uid)
+        os.chroot(root)
+        work = "/sandbox"
+    os.chdir(work)
+    pid = os.fork()
+    if pid == 0:
+        os.close(status)
+        for name, limit in S["limits"].items():
+            resource.setrlimit(getattr(resource, name), limit)
+        if namespaces:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (after setuid, which clears it)
+            libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+            del libc, mount, ok
+        else:
+            # fallback containment: refuse sockets, ctypes, new processes, files outside the working directory and
+            # the Python installation, and signals to other processes
+            def install_audit_hook(allowed, own, blocked):
+                realpath, join, cwd, fsdecode = os.path.realpath, os.path.join, os.getcwd(), os.fsdecode
+                def hook(event, args):
+                    if event.startswith(("socket.", "ctypes.")) or event in blocked:
+                        raise PermissionError("sandbox: " + event + " is not allowed")
+                    if event == "open" and not isinstance(args[0], int):
+                        path = realpath(join(cwd, fsdecode(args[0])))
+                        if not any(path == a or path.startswith(a + "/") for a in allowed):
+                            raise PermissionError("sandbox: no access to " + path)
+                    elif event == "os.kill" and args[0] not in (0, own):
+                        raise PermissionError("sandbox: signals to other processes are not allowed")
+                sys.addaudithook(hook)
+            install_audit_hook((S["prefix"], os.getcwd(), "/dev/null", "/dev/urandom"), os.getpid(),
+                               ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                                "os.forkpty"))
+        os.environ.clear()
+        os.environ.update(S["env"])
+        # The program runs in this forked, already contained interpreter as a fresh __main__ module (one interpreter
+        # start per program, not two); the working directory is on sys.path so tests can import a solution module.
+        # It ends with os._exit after flushing (atexit handlers run; the interpreter's slow teardown is skipped).
+        del S, report, status
+        main = type(sys)("__main__")
+        main.__file__ = "main.py"
+        sys.modules["__main__"] = main
+        sys.argv = ["main.py"]
+        sys.path.insert(0, ".")
         try:
-            stream.flush()
+            with open("main.py", "rb") as f:
+                code = compile(f.read(), "main.py", "exec")
+            del f
+            exec(code, main.__dict__)
+            exit_code = 0
+        except SystemExit as e:
+            exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
         except BaseException:
-            pass
-    os._exit(exit_code & 0xFF)
-report('{"pid": %d}' % pid)
-fd = os.pidfd_open(pid)
-timed_out = not select.select([fd], [], [], S["wall_seconds"])[0]
-if timed_out:
-    os.kill(pid, signal.SIGKILL)
-_, code = os.waitpid(pid, 0)
-report('{"timeout": %s, "exit": %d}' % ("true" if timed_out else "false", os.waitstatus_to_exitcode(code)))
-os._exit(0)
+            traceback.print_exc()
+            exit_code = 1
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(exit_code & 0xFF)
+    report('{"pid": %d}' % pid)
+    fd = os.pidfd_open(pid)
+    timed_out = not select.select([fd], [], [], S["wall_seconds"])[0]
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+    _, code = os.waitpid(pid, 0)
+    report('{"timeout": %s, "exit": %d}' % ("true" if timed_out else "false", os.waitstatus_to_exitcode(code)))
+    os._exit(0)
+
+channel = socket.socket(fileno=int(sys.argv[1]))
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # bootstraps are reaped by the kernel
+while True:
+    try:
+        message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 4)
+    except OSError:
+        break
+    if not message:  # the caller closed its end (or died): no more programs
+        break
+    try:
+        pid = os.fork()
+    except OSError:  # the caller sees the status pipe close without a report: status "error"
+        pid = -1
+    if pid == 0:
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            channel.close()
+            os.setsid()
+            for target, fd in enumerate(fds[:3]):
+                os.dup2(fd, target)
+                os.close(fd)
+            bootstrap(eval(message.decode(), {"__builtins__": {}}), fds[3])  # a dict literal from the caller
+        except BaseException:
+            traceback.print_exc()
+        os._exit(70)
+    for fd in fds:
+        os.close(fd)
 '''
+
 
 @cache
 def namespaces_available() -> bool:
@@ -289,17 +323,68 @@ def _limits(config: SandboxConfig, isolation: str) -> dict[str, tuple[int, int]]
     }
 
 
-def _kill_group(proc: subprocess.Popen, program_pid: int | None, isolation: str) -> None:
+def _kill_group(group: int | None, program_pid: int | None, isolation: str) -> None:
     """SIGKILL the bootstrap's process group; under audit_hook also the program itself (it may have left the
     group with setsid). Under namespaces the program dies with the bootstrap (PR_SET_PDEATHSIG) and takes its
     PID namespace with it."""
-    for kill, target in ((os.killpg, proc.pid), (os.kill, program_pid)):
+    for kill, target in ((os.killpg, group), (os.kill, program_pid)):
         if target is None or (kill is os.kill and isolation == "namespaces"):
             continue
         try:
             kill(target, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+class _Zygote:
+    """One warm zygote process (see _ZYGOTE) and the socket its requests go through."""
+
+    def __init__(self) -> None:
+        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.getpid()
+        self.proc = subprocess.Popen(
+            [_python(), "-I", "-S", "-B", "-c", _ZYGOTE, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        )
+        theirs.close()
+        self.lock = threading.Lock()
+
+    def usable(self) -> bool:
+        return self.pid == os.getpid() and self.proc.poll() is None
+
+    def request(self, settings: dict, fds: list[int]) -> None:
+        with self.lock:
+            socket.send_fds(self.channel, [repr(settings).encode()], fds)
+
+    def close(self) -> None:
+        self.channel.close()  # the zygote exits on end of file
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_zygotes: dict[str, _Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def _zygote(isolation: str) -> _Zygote:
+    with _zygotes_lock:
+        zygote = _zygotes.get(isolation)
+        if zygote is None or not zygote.usable():
+            zygote = _zygotes[isolation] = _Zygote()
+        return zygote
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    with _zygotes_lock:
+        for zygote in _zygotes.values():
+            if zygote.pid == os.getpid():
+                zygote.close()
+        _zygotes.clear()
 
 
 def _classify(end: dict | None, stderr: str, config: SandboxConfig) -> tuple[Status, str, int | None]:
@@ -334,51 +419,48 @@ def _run_one(source: str, config: SandboxConfig, isolation: str, slot: int, stdi
                 raise ValueError(f"sandbox file names are plain names, got {name!r}")
             (work / name).write_text(text, encoding="utf-8")
         audit = isolation == "audit_hook"
-        status_read, status_write = os.pipe()
         settings = {
-            "isolation": isolation, "status_fd": status_write, "work": str(work), "root": str(Path(tmp, "root")),
-            "binds": _binds(), "disk_kb": config.disk_mb * 1024, "uid": slot_uid(config, slot),
-            "limits": _limits(config, isolation), "python": _python(), "wall_seconds": config.wall_seconds,
-            "prefix": sys.base_prefix,
-            "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/sandbox" if not audit else str(work),
+            "isolation": isolation, "work": str(work), "root": str(Path(tmp, "root")), "binds": _binds(),
+            "disk_kb": config.disk_mb * 1024, "uid": slot_uid(config, slot), "limits": _limits(config, isolation),
+            "wall_seconds": config.wall_seconds, "prefix": sys.base_prefix,
+            "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(work) if audit else "/sandbox",
                     "PYTHONIOENCODING": "utf-8"},
         }
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        stderr_read, stderr_write = os.pipe()
+        status_read, status_write = os.pipe()
+        theirs = [stdin_read, stdout_write, stderr_write, status_write]
         try:
-            proc = subprocess.Popen(
-                [_python(), "-I", "-S", "-B", "-c", _BOOTSTRAP, repr(settings)],
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(status_write,), start_new_session=True, cwd=tmp,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            )
+            _zygote(isolation).request(settings, theirs)
         finally:
-            os.close(status_write)
-        try:
-            return _collect(proc, status_read, config, isolation, started, stdin)
-        finally:
-            os.close(status_read)
-            if proc.poll() is None:
-                _kill_group(proc, None, isolation)
-            proc.wait()
+            for fd in theirs:
+                os.close(fd)
+        threading.Thread(target=_feed, args=(stdin_write, stdin), daemon=True).start()
+        return _collect(stdout_read, stderr_read, status_read, config, isolation, started)
 
 
-def _collect(proc: subprocess.Popen, status_read: int, config: SandboxConfig, isolation: str, started: float,
-             stdin: bytes) -> SandboxResult:
-    """Read stdout/stderr (capped) and the bootstrap's status lines until the bootstrap exits; kill the group on
-    the hard deadline (the bootstrap's own timeout plus a grace period) or past the output cap."""
-    if stdin:
-        threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
-    deadline = started + config.wall_seconds + 3.0
-    buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    status_buffer = bytearray()
-    status_file = os.fdopen(os.dup(status_read), "rb", buffering=0)
-    sel = selectors.DefaultSelector()
-    for stream in buffers:
-        sel.register(stream, selectors.EVENT_READ)
-    sel.register(status_file, selectors.EVENT_READ)
-    verdict: tuple[Status, str] | None = None
-    program_pid = None
+def _feed(fd: int, data: bytes) -> None:
     try:
-        while sel.get_map():
+        with open(fd, "wb", buffering=0) as pipe:
+            pipe.write(data)
+    except OSError:  # the program exited or closed stdin
+        pass
+
+
+def _collect(stdout: int, stderr: int, status: int, config: SandboxConfig, isolation: str,
+             started: float) -> SandboxResult:
+    """Read stdout/stderr (capped) and the bootstrap's status lines until all three pipes close; kill the
+    bootstrap's process group on the hard deadline (its own timeout plus a grace period) or past the output
+    cap."""
+    deadline = started + config.wall_seconds + 3.0
+    buffers = {stdout: bytearray(), stderr: bytearray(), status: bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in buffers:
+        sel.register(fd, selectors.EVENT_READ)
+    verdict: tuple[Status, str] | None = None
+    try:
+        while sel.get_map() and verdict is None:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 verdict = ("timeout", f"wall-clock timeout ({config.wall_seconds:g} s): the sandbox did not "
@@ -387,53 +469,32 @@ def _collect(proc: subprocess.Popen, status_read: int, config: SandboxConfig, is
             for key, _ in sel.select(timeout=remaining):
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
-                    sel.unregister(key.fileobj)
+                    sel.unregister(key.fd)
                     continue
-                if key.fileobj is status_file:
-                    status_buffer += chunk
-                    for line in status_buffer.decode().splitlines():
-                        if line.startswith('{"pid"'):
-                            program_pid = json.loads(line)["pid"]
-                    continue
-                buffer = buffers[key.fileobj]
-                buffer += chunk
-                if len(buffer) > config.max_output_bytes:
-                    name = "stdout" if key.fileobj is proc.stdout else "stderr"
+                buffers[key.fd] += chunk
+                if key.fd != status and len(buffers[key.fd]) > config.max_output_bytes:
+                    name = "stdout" if key.fd == stdout else "stderr"
                     verdict = ("output_limit", f"{name} exceeded {config.max_output_bytes} bytes: killed")
                     break
-            if verdict:
-                break
     finally:
         sel.close()
+        lines = [json.loads(line) for line in buffers[status].decode().splitlines()]
+        found = {key: value for line in lines for key, value in line.items()}
         if verdict:
-            _kill_group(proc, program_pid, isolation)
-        status_file.close()
-    proc.wait()
-    out, err = (bytes(buffers[s][: config.max_output_bytes]).decode("utf-8", "replace")
-                for s in (proc.stdout, proc.stderr))
-    proc.stdout.close()
-    proc.stderr.close()
-    end = None
-    for line in status_buffer.decode().splitlines():
-        if line.startswith('{"timeout"'):
-            end = json.loads(line)
+            _kill_group(found.get("group"), found.get("pid"), isolation)
+        for fd in buffers:
+            os.close(fd)
+    out, err = (bytes(buffers[fd][: config.max_output_bytes]).decode("utf-8", "replace") for fd in (stdout, stderr))
+    end = found if "exit" in found else None
     if verdict:
-        status, reason = verdict
+        status_name, reason = verdict
         code = end["exit"] if end else None
     else:
-        status, reason, code = _classify(end, err, config)
-        if status == "error" and err.strip():
+        status_name, reason, code = _classify(end, err, config)
+        if status_name == "error" and err.strip():
             reason += ": " + err.strip().splitlines()[-1][:300]
-    return SandboxResult(status=status, reason=reason, returncode=code, stdout=out, stderr=err,
+    return SandboxResult(status=status_name, reason=reason, returncode=code, stdout=out, stderr=err,
                          wall_seconds=time.perf_counter() - started, isolation=isolation)
-
-
-def _feed(pipe, data: bytes) -> None:
-    try:
-        pipe.write(data)
-        pipe.close()
-    except OSError:  # the program exited or closed stdin
-        pass
 
 
 def run_program(source: str, config: SandboxConfig | None = None, stdin: str = "",

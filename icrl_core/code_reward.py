@@ -30,59 +30,12 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field
-
+from icrl_core.code_config import CodeConfig, CodeRewardConfig, CodeRewardWeights, SandboxConfig  # noqa: F401
 from icrl_core.code_tasks import CodeTask
-from icrl_core.sandbox import SandboxConfig, SandboxResult, run_programs
-from icrl_core.schema import Section
+from icrl_core.sandbox import SandboxResult, run_programs
 
 COMPONENTS = ("pass_fraction", "all_pass", "time_efficiency", "lint", "docstring", "complexity", "reward_model")
-
-
-class CodeRewardWeights(Section):
-    """Weight of each reward component (the length penalty is subtracted)."""
-
-    pass_fraction: Annotated[float, Field(ge=0, le=100, description="Share of the task's tests passed "
-                                          "(partial credit).")] = 1.0
-    all_pass: Annotated[float, Field(ge=0, le=100, description="Bonus when every test passes.")] = 1.0
-    time_efficiency: Annotated[float, Field(ge=0, le=100, description="Bonus for passing everything well "
-                                            "within the task's time budget.")] = 0.1
-    lint: Annotated[float, Field(ge=0, le=100, description="1 / (1 + ruff lint findings).")] = 0.1
-    docstring: Annotated[float, Field(ge=0, le=100, description="The function keeps a docstring.")] = 0.05
-    complexity: Annotated[float, Field(ge=0, le=100, description="Low cyclomatic complexity (radon).")] = 0.05
-    reward_model: Annotated[float, Field(ge=0, le=100, description="A reward model's score in [0, 1], when "
-                                         "the caller passes one (0 = unused).")] = 0.0
-    length_penalty: Annotated[float, Field(ge=0, le=100, description="Subtracted for programs longer than "
-                                           "length_ratio x the reference solution.")] = 0.1
-
-
-class CodeRewardConfig(Section):
-    """How a candidate program is scored against a code task."""
-
-    weights: CodeRewardWeights = Field(default_factory=CodeRewardWeights, description="Component weights.")
-    reward_scale: Annotated[float, Field(gt=0, le=1000, description="The weighted sum is multiplied by "
-                                         "this.")] = 1.0
-    complexity_target: Annotated[int, Field(ge=1, le=50, description="Cyclomatic complexity that still scores "
-                                            "1; above it the score is target / complexity.")] = 5
-    length_ratio: Annotated[float, Field(gt=0, le=100, description="Programs up to this many times the "
-                                         "reference solution's length get no length penalty; twice that gets "
-                                         "the full penalty.")] = 3.0
-    lint_select: Annotated[list[str], Field(min_length=1, description="ruff rule selectors counted as lint "
-                                            "findings.")] = ["E", "F", "W"]
-    lint_ignore: Annotated[list[str], Field(description="ruff rules not counted (line length: prompts carry "
-                                            "long docstrings).")] = ["E501"]
-
-
-class CodeConfig(Section):
-    """Code tasks: the sandbox that runs model-written programs and the reward that scores them."""
-
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="Process isolation and limits.")
-    reward: CodeRewardConfig = Field(default_factory=CodeRewardConfig, description="Reward components.")
-    task_seed: Annotated[int, Field(ge=0, description="Seed of the code-task family (icrl_core/code_tasks.py); "
-                                    "the same seed gives the same tasks.")] = 0
-    variants: Annotated[int, Field(ge=1, le=100, description="Tasks per template (distinct parameters).")] = 11
 
 
 # ---------------------------------------------------------------------------------------------------------------

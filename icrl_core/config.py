@@ -1,6 +1,6 @@
 """Config schema of the algorithms and stages: one pydantic section per component (model, data, tokenize,
 bootstrap, reward model, PPO, adapt, in-context RL evaluation, evaluate, and code: the code tasks' sandbox and
-reward, whose schema lives in icrl_core/code_reward.py), each field with its description and bounds. A pure
+reward, whose schema lives in icrl_core/code_config.py), each field with its description and bounds. A pure
 library: the whole pipeline config (these sections plus tracking, Ray, Prefect and sweeps), the loader (params
 files, `ICRL_*` environment, `--set`) and the generated docs live in `tasks/settings.py`.
 """
@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field, model_validator
 
-from icrl_core.code_reward import CodeConfig  # noqa: F401  (hung on the pipeline config as `code`)
+from icrl_core.code_config import CodeConfig  # noqa: F401  (hung on the pipeline config as `code`)
 from icrl_core.objectives import Objective, PPOObjective
 from icrl_core.schema import Section
 

@@ -42,45 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Field
-
-from icrl_core.schema import Section
-
-
-class SandboxConfig(Section):
-    """Limits and isolation of the process that runs one untrusted program."""
-
-    isolation: Annotated[
-        Literal["auto", "namespaces", "audit_hook"],
-        Field(description="auto: namespaces where the kernel allows them (CAP_SYS_ADMIN), else audit_hook. "
-              "namespaces: network/mount/PID namespaces, a chroot into a tmpfs with read-only /usr and Python, a "
-              "dedicated uid per worker. audit_hook: a Python audit hook refusing sockets, files outside the "
-              "working directory and signals to other processes (weaker; see docs/SANDBOX.md)."),
-    ] = "auto"
-    workers: Annotated[int, Field(ge=1, le=64, description="Programs run at once (each in its own process).")] = 2
-    wall_seconds: Annotated[float, Field(gt=0, le=600, description="Wall-clock timeout of one program; the "
-                                         "whole process group is killed past it.")] = 5.0
-    cpu_seconds: Annotated[int, Field(ge=1, le=600, description="RLIMIT_CPU of each process of the program "
-                                      "(SIGXCPU past it).")] = 5
-    memory_mb: Annotated[int, Field(ge=64, le=65536, description="RLIMIT_AS (address space) of each process, "
-                                    "MiB; allocations past it raise MemoryError.")] = 512
-    max_processes: Annotated[int, Field(ge=1, le=1024, description="RLIMIT_NPROC: processes the program may "
-                                        "have at once (its own uid under namespaces; under audit_hook the "
-                                        "current user's process count is added, and root is not limited).")] = 8
-    max_open_files: Annotated[int, Field(ge=16, le=65536, description="RLIMIT_NOFILE: open file "
-                                         "descriptors per process.")] = 64
-    max_file_mb: Annotated[float, Field(gt=0, le=65536, description="RLIMIT_FSIZE: largest file a process "
-                                        "may write, MiB.")] = 8.0
-    disk_mb: Annotated[int, Field(ge=1, le=65536, description="Size of the tmpfs holding the working "
-                                  "directory and /tmp (namespaces only).")] = 32
-    max_output_bytes: Annotated[int, Field(ge=1024, le=1 << 30, description="stdout and stderr are each kept "
-                                           "up to this many bytes; past it the program is killed "
-                                           "(status output_limit).")] = 1 << 16
-    uid_base: Annotated[int, Field(ge=1000, le=(1 << 31) - (1 << 18), description="Under namespaces the "
-                                   "program of worker slot i of calling process p runs as uid/gid uid_base + "
-                                   "(p mod 4096) * 64 + i; the range must be unused by anything else.")] = 100000
+from icrl_core.code_config import SandboxConfig
 
 
 Status = Literal["ok", "failed", "timeout", "memory", "killed", "output_limit", "error"]

@@ -84,7 +84,7 @@ _flush()
 
 
 @dataclass(frozen=True)
-class TestReport:
+class HarnessReport:
     """What the harness reported: per test (passed, seconds, why not). `error` if it reported nothing usable."""
 
     passed: list[bool] = field(default_factory=list)
@@ -116,34 +116,34 @@ def harness_input(task: CodeTask, nonce: str) -> str:
     return f"{nonce}\n{task.name}\n{task.tests!r}\n"
 
 
-def parse_report(result: SandboxResult, nonce: str) -> TestReport:
+def parse_report(result: SandboxResult, nonce: str) -> HarnessReport:
     """The harness's report from the program's stdout (the line that starts with the nonce)."""
     if result.status != "ok":
-        return TestReport(error=f"{result.status}: {result.reason}")
+        return HarnessReport(error=f"{result.status}: {result.reason}")
     for line in result.stdout.splitlines():
         if line.startswith(nonce):
             report = json.loads(line[len(nonce):])
             if "error" in report:
-                return TestReport(error=f"could not load the function: {report['error']}")
+                return HarnessReport(error=f"could not load the function: {report['error']}")
             rows = report["results"]
-            return TestReport(passed=[bool(r[0]) for r in rows], seconds=[float(r[1]) for r in rows],
+            return HarnessReport(passed=[bool(r[0]) for r in rows], seconds=[float(r[1]) for r in rows],
                               why=[str(r[2]) for r in rows])
-    return TestReport(error="no test report (the program ended early or closed stdout)")
+    return HarnessReport(error="no test report (the program ended early or closed stdout)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The components: pure functions of the report, the program text and the task.
 
 
-def pass_fraction(report: TestReport) -> float:
+def pass_fraction(report: HarnessReport) -> float:
     return sum(report.passed) / len(report.passed) if report.passed else 0.0
 
 
-def all_pass(report: TestReport) -> float:
+def all_pass(report: HarnessReport) -> float:
     return 1.0 if report.passed and all(report.passed) else 0.0
 
 
-def time_efficiency(report: TestReport, budget_ms: float) -> float:
+def time_efficiency(report: HarnessReport, budget_ms: float) -> float:
     """1 - (test time / budget), clipped to [0, 1]; only for programs that pass everything."""
     if not all_pass(report):
         return 0.0

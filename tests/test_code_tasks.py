@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from icrl_core.code_reward import (CodeConfig, CodeRewardConfig, TestReport, complexity_score, compose,
+from icrl_core.code_reward import (CodeConfig, CodeRewardConfig, HarnessReport, complexity_score, compose,
                                    cyclomatic_complexity, docstring_score, extract_code, length_penalty,
                                    lint_findings, score_many, time_efficiency)
 from icrl_core.code_tasks import TEST_TEMPLATES, code_tasks, split_tasks, summary
@@ -49,10 +49,10 @@ def test_every_templates_reference_passes_its_hidden_tests_in_the_sandbox():
 
 def test_reward_components_are_pure_functions():
     task = code_tasks()[0]
-    fast, slow = TestReport(passed=[True] * 6, seconds=[0.001] * 6), TestReport(passed=[True] * 6, seconds=[1.0] * 6)
+    fast, slow = HarnessReport(passed=[True] * 6, seconds=[0.001] * 6), HarnessReport(passed=[True] * 6, seconds=[1.0] * 6)
     assert time_efficiency(fast, task.time_budget_ms) == pytest.approx(1 - 6 / task.time_budget_ms)
     assert time_efficiency(slow, task.time_budget_ms) == 0.0
-    assert time_efficiency(TestReport(passed=[True, False], seconds=[0, 0]), 50) == 0.0
+    assert time_efficiency(HarnessReport(passed=[True, False], seconds=[0, 0]), 50) == 0.0
     assert docstring_score(task.reference, task.name) == 1.0
     assert docstring_score("def f(:", task.name) == 0.0
     branchy = f"def {task.name}(x):\n" + "".join(f"    if x == {i}:\n        return {i}\n" for i in range(9)) + \

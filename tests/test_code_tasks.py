@@ -49,7 +49,8 @@ def test_every_templates_reference_passes_its_hidden_tests_in_the_sandbox():
 
 def test_reward_components_are_pure_functions():
     task = code_tasks()[0]
-    fast, slow = HarnessReport(passed=[True] * 6, seconds=[0.001] * 6), HarnessReport(passed=[True] * 6, seconds=[1.0] * 6)
+    fast = HarnessReport(passed=[True] * 6, seconds=[0.001] * 6)
+    slow = HarnessReport(passed=[True] * 6, seconds=[1.0] * 6)
     assert time_efficiency(fast, task.time_budget_ms) == pytest.approx(1 - 6 / task.time_budget_ms)
     assert time_efficiency(slow, task.time_budget_ms) == 0.0
     assert time_efficiency(HarnessReport(passed=[True, False], seconds=[0, 0]), 50) == 0.0

@@ -9,7 +9,8 @@ start one process at a time):
   isolation (what running model code without a sandbox would cost)
 
 Reported: programs/s and test executions/s of each, and the sandbox's throughput as a share of the bare
-subprocess's. The load average at the start is recorded: the machine is shared, so absolute rates vary.
+subprocess's. The variants take turns on chunks of the programs (`--rounds`), so drifting load on the shared
+machine hits them alike; the load average is recorded, since absolute rates vary with it.
 
     .venv/bin/python bench/sandbox.py            # table + bench/results/sandbox.json
     .venv/bin/python bench/sandbox.py --n 200 --workers 2
@@ -46,58 +47,63 @@ def bare(program: str, stdin: str) -> str:
         return out.stdout
 
 
-def measure(name: str, run, n_programs: int, n_tests: int) -> dict:
-    started = time.perf_counter()
-    passed = run()
-    seconds = time.perf_counter() - started
-    return {"variant": name, "programs": n_programs, "seconds": round(seconds, 3),
-            "programs_per_s": round(n_programs / seconds, 2), "tests_per_s": round(n_tests / seconds, 1),
-            "all_tests_passed": passed}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=120, help="programs per variant")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6, help="turns the variants take on chunks of programs")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "sandbox.json")
     args = parser.parse_args()
 
     tasks = [code_tasks()[i % len(code_tasks())] for i in range(0, args.n * 7, 7)][: args.n]
-    programs = [t.reference for t in tasks]
-    n_tests = sum(len(t.tests) for t in tasks)
     load_before = os.getloadavg()
-    rows = []
 
     def sandboxed(isolation: str):
-        def run():
+        def run(chunk):
             config = SandboxConfig(isolation=isolation, workers=args.workers)
-            nonces = [secrets.token_hex(16) for _ in tasks]
-            results = run_programs([_HARNESS] * len(tasks), config,
-                                   stdins=[harness_input(t, n) for t, n in zip(tasks, nonces)],
-                                   files=[{"solution.py": p} for p in programs])
+            nonces = [secrets.token_hex(16) for _ in chunk]
+            results = run_programs([_HARNESS] * len(chunk), config,
+                                   stdins=[harness_input(t, n) for t, n in zip(chunk, nonces)],
+                                   files=[{"solution.py": t.reference} for t in chunk])
             return all(all(parse_report(r, n).passed) and r.ok for r, n in zip(results, nonces))
         return run
 
-    def bare_run():
-        nonces = [secrets.token_hex(16) for _ in tasks]
+    def bare_run(chunk):
+        nonces = [secrets.token_hex(16) for _ in chunk]
         with ThreadPoolExecutor(args.workers) as pool:
-            outs = list(pool.map(bare, programs, [harness_input(t, n) for t, n in zip(tasks, nonces)]))
+            outs = list(pool.map(bare, [t.reference for t in chunk],
+                                 [harness_input(t, n) for t, n in zip(chunk, nonces)]))
         reports = [json.loads(o.split(n, 1)[1]) for o, n in zip(outs, nonces)]
         return all(r.get("results") and all(row[0] for row in r["results"]) for r in reports)
 
-    variants = [("bare_subprocess", bare_run)]
+    variants = {"bare_subprocess": bare_run}
     if namespaces_available():
-        variants.append(("sandbox_namespaces", sandboxed("namespaces")))
-    variants.append(("sandbox_audit_hook", sandboxed("audit_hook")))
-    for name, run in variants:
-        rows.append(measure(name, run, len(tasks), n_tests))
-        print(f"{name:22s} {rows[-1]['programs_per_s']:7.2f} programs/s {rows[-1]['tests_per_s']:8.1f} tests/s "
-              f"(all passed: {rows[-1]['all_tests_passed']})")
+        variants["sandbox_namespaces"] = sandboxed("namespaces")
+    variants["sandbox_audit_hook"] = sandboxed("audit_hook")
+    # The machine is shared and its load drifts: the variants take turns on chunks of the programs, so each
+    # sees the same mix of quiet and busy moments.
+    seconds = dict.fromkeys(variants, 0.0)
+    passed = dict.fromkeys(variants, True)
+    chunk_size = max(1, len(tasks) // args.rounds)
+    for start in range(0, len(tasks), chunk_size):
+        chunk = tasks[start:start + chunk_size]
+        for name, run in variants.items():
+            began = time.perf_counter()
+            passed[name] &= run(chunk)
+            seconds[name] += time.perf_counter() - began
+    n_tests = sum(len(t.tests) for t in tasks)
+    rows = [{"variant": name, "programs": len(tasks), "seconds": round(seconds[name], 3),
+             "programs_per_s": round(len(tasks) / seconds[name], 2), "tests_per_s": round(n_tests / seconds[name], 1),
+             "all_tests_passed": passed[name]} for name in variants]
+    for row in rows:
+        print(f"{row['variant']:22s} {row['programs_per_s']:7.2f} programs/s {row['tests_per_s']:8.1f} tests/s "
+              f"(all passed: {row['all_tests_passed']})")
     baseline = rows[0]["programs_per_s"]
     for row in rows[1:]:
         row["share_of_bare_throughput"] = round(row["programs_per_s"] / baseline, 3)
         print(f"{row['variant']}: {row['share_of_bare_throughput']:.2f} x the bare subprocess's throughput")
-    result = {"workers": args.workers, "cpu_count": os.cpu_count(), "tests_per_program": n_tests / len(tasks),
+    result = {"workers": args.workers, "rounds": args.rounds, "cpu_count": os.cpu_count(),
+              "tests_per_program": n_tests / len(tasks),
               "load_average_before": [round(x, 2) for x in load_before],
               "load_average_after": [round(x, 2) for x in os.getloadavg()], "goal_programs_per_s": 20,
               "rows": rows}

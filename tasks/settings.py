@@ -26,9 +26,9 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConfig, DataConfig, EvalConfig,
-                              EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter, LoraAdapter, MixedReward,
-                              ModelConfig, ModelReward, PPOConfig, RewardModelConfig, Section, SyntheticSource,
-                              TaskReward, TaskSource, TokenizeConfig)
+                              EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter, LoraAdapter,
+                              MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig, Section,
+                              SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
 

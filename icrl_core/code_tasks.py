@@ -80,7 +80,12 @@ def _word(rng: random.Random, low: int = 1, high: int = 8, letters: str = string
 
 
 def _ints(rng: random.Random, low: int = -20, high: int = 20, min_len: int = 0, max_len: int = 8) -> list[int]:
-    return [rng.randint(low, high) for _ in range(rng.randint(min_len, max_len))]
+    """Random integers; most lists repeat some values, so a solution that drops duplicates fails a test."""
+    values = [rng.randint(low, high) for _ in range(rng.randint(min_len, max_len))]
+    if values and rng.random() < 0.8:
+        values[rng.randrange(len(values))] = rng.choice(values)
+        values.insert(rng.randrange(len(values) + 1), rng.choice(values))
+    return values
 
 
 def _small_dict(rng: random.Random, size: int = 5) -> dict[str, int]:

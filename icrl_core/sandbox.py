@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -237,7 +238,13 @@ def namespaces_available() -> bool:
 
 def resolve_isolation(config: SandboxConfig) -> str:
     if config.isolation == "auto":
-        return "namespaces" if namespaces_available() else "audit_hook"
+        if namespaces_available():
+            return "namespaces"
+        if os.geteuid() == 0:
+            # root without namespaces: the weak fallback, where RLIMIT_NPROC does not even apply
+            warnings.warn("sandbox: namespaces are unavailable, running programs under the audit-hook fallback "
+                          "(see docs/SANDBOX.md)", RuntimeWarning, stacklevel=2)
+        return "audit_hook"
     return config.isolation
 
 
@@ -442,8 +449,12 @@ def _collect(stdout: int, stderr: int, status: int, config: SandboxConfig, isola
                     break
     finally:
         sel.close()
-        lines = [json.loads(line) for line in buffers[status].decode().splitlines()]
-        found = {key: value for line in lines for key, value in line.items()}
+        found = {}
+        for line in buffers[status].decode("utf-8", "replace").splitlines():
+            try:
+                found.update(json.loads(line))
+            except ValueError:  # a line cut short by a kill
+                pass
         if verdict:
             _kill_group(found.get("group"), found.get("pid"), isolation)
         for fd in buffers:

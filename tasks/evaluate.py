@@ -246,8 +246,8 @@ def streams_supported(config: PipelineConfig) -> bool:
 def in_streams(configs: list[PipelineConfig], resume: list[bool], streams: int):
     """Yield (index, metrics) of each evaluation run as it finishes: `streams` runs at a time in this process, each
     from its own thread, all through one inference engine (its base model and each trained adapter loaded once).
-    Torch threads: one per stream (streams on different cores run in parallel), or all cores for the one fused
-    pass at a time when the engine fuses the streams' passes."""
+    Torch threads: one per stream (streams on different cores run in parallel), or all cores for the one batched
+    pass at a time when the engine fuses the streams' passes (torch fuse_streams, vllm)."""
     import os
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -257,8 +257,9 @@ def in_streams(configs: list[PipelineConfig], resume: list[bool], streams: int):
     from tasks.icrl_eval import evaluate
 
     first = configs[0]
-    fused = first.inference.fuse_streams
-    threads = (os.cpu_count() or 1) if fused else 1
+    # one batched pass at a time (torch with fused passes; vllm batches the streams' requests): all cores for it
+    batched = first.inference.fuse_streams or first.inference.backend != "torch"
+    threads = (os.cpu_count() or 1) if batched else 1
     torch.set_num_threads(threads)
     entries = max(c.icrl_eval.cache_entries or (c.icrl_eval.max_contexts + 1 if c.icrl_eval.strategy == "approximate"
                                                 else 2) for c in configs)
@@ -343,7 +344,11 @@ def result_key(config: PipelineConfig) -> str:
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
         "engine": engine_identity(config),
-    }, _HARNESS_SOURCES)
+    }, _HARNESS_SOURCES + _BACKEND_SOURCES.get(config.inference.backend, ()))
+
+
+# A backend beyond torch (the harness's own) is part of a run's key by its code too.
+_BACKEND_SOURCES = {"vllm": ("icrl_core/inference/vllm_backend.py",)}
 
 
 def engine_identity(config: PipelineConfig) -> str:

@@ -442,14 +442,16 @@ def probe_feedback(config: PipelineConfig, target: str, counts: Sequence[int], n
 def measure_feedback(config: PipelineConfig, policy, target: str, counts: Sequence[int], n_queries: int,
                      progress: bool = True, name: str = "", position: int = 0) -> dict:
     """The feedback probe for a loaded policy on icrl_eval.task (shared by `icrl probe-feedback` and the
-    evaluate stage), with the model it measured."""
+    evaluate stage), with the model it measured. It runs on the torch engine over `policy` whatever
+    inference.backend says: the policy is loaded already, and a few hundred queries do not pay for starting
+    another engine (vllm: ~2 min)."""
     from icrl_core.feedback_probe import feedback_sensitivity, probe_size
     from icrl_core.icrl_eval import Predictor
-    from icrl_core.inference.base import engine_from_config
+    from icrl_core.inference.torch_backend import TorchEngine
 
     task = load_eval_task(config)
     adapter = str(config.model.init_adapter) if config.model.init_adapter is not None else None
-    engine = engine_from_config(config, policy)
+    engine = TorchEngine.from_config(config, policy)
     predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, 1.0, engine=engine,
                           adapter=adapter)
     bar = _progress(probe_size(counts, n_queries), 0, progress,

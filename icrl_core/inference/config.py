@@ -15,8 +15,11 @@ class InferenceConfig(Section):
     backend: Annotated[
         Literal["torch", "vllm"],
         Field(description="torch: the exact reference (cached prefixes and tree-packed candidate scoring in "
-              "transformers; predictions identical to recomputing every prompt, fp32). vllm: a vLLM engine "
-              "(needs the vllm package)."),
+              "transformers; predictions identical to recomputing every prompt, fp32). vllm: a vLLM engine in this "
+              "process (the vllm extra: make setup-vllm) with automatic prefix caching, LoRA adapters per request "
+              "and concurrent streams' requests in one batch; not bit-identical to torch (agreement: "
+              "docs/INFERENCE.md); not for model.spec=tiny. With vllm set inference.streams > 1 so that the "
+              "evaluate stage starts one engine for all its runs."),
     ] = "torch"
     streams: Annotated[int, Field(ge=1, description="Evaluation runs one engine serves at once, each from its "
                                   "own thread (evaluate stage; needs a concurrent backend). 1: each run in its own "

@@ -14,10 +14,17 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
    them as streams (threads), exact and with fused passes (`inference.fuse_streams`); steps summed over the runs
    per wall second, and the fused runs' prediction agreement with the pool's.
 
+3. vllm (`--parts vllm`, run with a python that has the vllm extra: `make setup-vllm`): the same harness run
+   (explorative, same seed/cap/steps) on the vllm engine and on the torch engine in this process, one after the
+   other with the same thread count: steps/s, per-step prediction agreement, test accuracy; and the label trie
+   scored after a long context for every test query by both engines: log-prob difference and argmax agreement.
+   vLLM's start-up is timed separately (not in steps/s).
+
     .venv/bin/python bench/inference_engine.py --quick     # a few minutes: short runs
     .venv/bin/python bench/inference_engine.py             # the full bench (~1 h on a busy 2-core machine)
+    .venv/bin/python bench/inference_engine.py --parts vllm --quick   # vllm vs torch only
 
-Writes bench/results/inference_engine.json (the machine's load averages before and after each part included).
+Writes bench/results/inference_engine.json (`--parts vllm`: bench/results/inference_engine_vllm.json) (the machine's load averages before and after each part included).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ def one_run(spec: dict) -> dict:
     import torch
 
     from icrl_core.config import EvalConfig
-    from icrl_core.icrl_eval import EvaluationEvent, Predictor, StepEvent, max_context_examples, run_protocol, show_for
+    from icrl_core.icrl_eval import Predictor, max_context_examples, show_for
     from icrl_core.inference.torch_backend import TorchEngine
     from icrl_core.model import load_policy
     from icrl_core.task_data import load_task
@@ -59,6 +66,13 @@ def one_run(spec: dict) -> dict:
     max_examples = max_context_examples(task, policy.tokens, show_for(cfg), 2048)
     engine = TorchEngine(policy, reuse=spec["mode"] != "recompute")
     predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, cfg.temperature, engine=engine)
+    return {**spec, **harness_run(predictor, task, cfg, max_examples)}
+
+
+def harness_run(predictor, task, cfg, max_examples: int) -> dict:
+    """Run the protocol with `predictor`; rates per phase, predictions and test curves."""
+    from icrl_core.icrl_eval import EvaluationEvent, StepEvent, run_protocol
+
     steps, tests = [], []
     started = time.perf_counter()
     for event in run_protocol(predictor, task, cfg, max_examples):
@@ -75,7 +89,7 @@ def one_run(spec: dict) -> dict:
                 "tokens_computed_per_step": round(sum(r["tokens_computed"] for r in rows) / len(rows), 1)
                 if rows else None}
 
-    return {**spec, "max_examples": max_examples, "steps_per_s": phase(steps)["steps_per_s"],
+    return {"max_examples": max_examples, "steps_per_s": phase(steps)["steps_per_s"],
             "tokens_computed_per_step": phase(steps)["tokens_computed_per_step"],
             "prompt_tokens_per_step": round(sum(s["prompt_tokens"] for s in steps) / len(steps), 1),
             "growing_phase": phase([s for s in steps if s["step"] <= max_examples]),
@@ -229,6 +243,81 @@ def aggregate(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# vllm vs torch (same process, one after the other)
+
+
+def vllm_vs_torch(args) -> dict:
+    import numpy as np
+    import torch
+
+    from icrl_core.config import EvalConfig
+    from icrl_core.icrl_eval import (EpisodeRecord, Predictor, max_context_examples, render_context, render_query,
+                                     show_for)
+    from icrl_core.inference.base import walk_scores
+    from icrl_core.inference.torch_backend import TorchEngine
+    from icrl_core.inference.vllm_backend import VllmEngine
+    from icrl_core.model import SMOLLM2, load_policy, resolve_spec
+    from icrl_core.task_data import load_task
+
+    torch.set_num_threads(args.threads)
+    policy = load_policy(SMOLLM2, dtype="float32")
+    task = load_task(args.task, TASKS_DIR)
+    cfg = EvalConfig(task=args.task, strategy="explorative", train_k=args.vllm_steps, test_every=args.test_every,
+                     test_k=args.test_k, seed=100, training_seed=100, test_seed=100)
+    max_examples = max_context_examples(task, policy.tokens, show_for(cfg), 2048)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    vllm = VllmEngine(resolve_spec(SMOLLM2)[1], max_model_len=4096, kv_cache_bytes=512 << 20, lora=False,
+                      threads=args.threads)
+    startup = time.perf_counter() - started
+    engines = {"torch": TorchEngine(policy), "vllm": vllm}
+    out: dict = {"threads": args.threads, "strategy": "explorative", "steps": args.vllm_steps, "seed": 100,
+                 "vllm_startup_seconds": round(startup, 1), "engines": {}}
+    try:
+        # 1. the harness, same seed/cap/steps on each engine
+        runs = {}
+        for name, engine in engines.items():
+            print(f"vllm part: harness on {name}, {args.vllm_steps} steps ...", flush=True)
+            predictor = Predictor(policy if name == "torch" else None, policy.tokens, task.template, task.labels,
+                                  None, cfg.temperature, engine=engine)
+            runs[name] = harness_run(predictor, task, cfg, max_examples)
+            out["engines"][name] = {"mode": "exact" if engine.exact else "not bit-identical (fp32, other kernels)",
+                                    **{k: v for k, v in runs[name].items()
+                                       if k not in ("predictions", "test_predictions")}}
+            print(f"  {name}: {runs[name]['steps_per_s']} steps/s", flush=True)
+        out["speedup_vllm_vs_torch"] = round(runs["vllm"]["steps_per_s"] / runs["torch"]["steps_per_s"], 2)
+        out["step_prediction_agreement"] = agreement(runs["vllm"]["predictions"], runs["torch"]["predictions"])
+        out["test_prediction_agreement"] = test_agreement(runs["vllm"]["test_predictions"],
+                                                          runs["torch"]["test_predictions"])
+        # 2. the label trie after a full context, every test query, scored by both engines
+        history = [EpisodeRecord(i, e.text, e.label, e.label, 1, 1) for i, e in
+                   enumerate(task.training_stream(max_examples, 100))]
+        context, user_open = render_context(policy.tokens, task.template, history, show_for(cfg))
+        predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, 1.0, engine=engines["torch"])
+        requests = [predictor.request(context, render_query(policy.tokens, task.template, e.text, user_open))
+                    for e in task.test_set(args.test_k, 100)]
+        scores = {}
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            scored = engine.trie_logprobs(requests)
+            scores[name] = [{n: v - np.logaddexp.reduce(v) for n, v in s.items()} for s in scored]
+            out[f"trie_scoring_seconds_{name}"] = round(time.perf_counter() - started, 2)
+        trie = predictor.trie
+        greedy = {name: [trie.label_of_leaf[walk_scores(trie, s, lambda node, v: int(np.argmax(v)))]
+                         for s in scored_] for name, scored_ in scores.items()}
+        out["trie_scoring"] = {
+            "queries": len(requests), "context_tokens": len(context), "context_episodes": len(history),
+            "max_child_logprob_difference": float(max(np.max(np.abs(a[n] - b[n])) for a, b in
+                                                      zip(scores["vllm"], scores["torch"]) for n in a)),
+            "argmax_label_agreement": agreement(greedy["vllm"], greedy["torch"])}
+        print(json.dumps({k: v for k, v in out.items() if k != "engines"}), flush=True)
+    finally:
+        vllm.close()
+    out["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs (development)")
@@ -243,18 +332,22 @@ def main() -> None:
                         "the whole prompt; its test predictions are not compared)")
     parser.add_argument("--aggregate-steps", type=int, default=100)
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--parts", nargs="+", default=["single", "aggregate"], choices=["single", "aggregate"])
+    parser.add_argument("--vllm-steps", type=int, default=100, help="harness steps per engine (--parts vllm)")
+    parser.add_argument("--threads", type=int, default=2, help="torch/vLLM threads (--parts vllm)")
+    parser.add_argument("--parts", nargs="+", default=["single", "aggregate"], choices=["single", "aggregate", "vllm"],
+                        help="vllm: needs the vllm extra; not part of the default run")
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "inference_engine.json"))
+    parser.add_argument("--output", help="default: bench/results/inference_engine.json "
+                        "(inference_engine_vllm.json for --parts vllm alone)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one_run(json.loads(args.one))))
         return
     if args.quick:
-        args.explorative_steps, args.naive_steps, args.aggregate_steps = 40, 40, 20
+        args.explorative_steps, args.naive_steps, args.aggregate_steps, args.vllm_steps = 40, 40, 20, 30
         args.test_every, args.test_k = 10, 8
     result = {"benchmark": "inference_engine", "task": args.task, "model": "smollm2-135m", "dtype": "float32",
-              "context_window": 2048, "quick": args.quick, "threads_per_run": 1,
+              "context_window": 2048, "quick": args.quick, "threads_per_run": 1 if args.parts != ["vllm"] else args.threads,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "note": "shared 2-core machine, other engineers' jobs running (see load averages)"},
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -262,6 +355,11 @@ def main() -> None:
         result["single_stream"] = single_stream(args)
     if "aggregate" in args.parts:
         result["aggregate"] = aggregate(args)
+    if "vllm" in args.parts:
+        result["vllm"] = vllm_vs_torch(args)
+    if args.output is None:
+        name = "inference_engine_vllm.json" if args.parts == ["vllm"] else "inference_engine.json"
+        args.output = str(ROOT / "bench" / "results" / name)
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     from icrl_core.io import atomic_write_json
 

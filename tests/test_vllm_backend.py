@@ -212,7 +212,7 @@ def test_lora_adapter_per_request_shares_the_engine_with_the_base_model(engine, 
 
     mixed = [TrieRequest(q, trie, adapter=a, shared_length=shared) for q in queries[:2] for a in (None, folder)]
     got = [_normalized(s) for s in engine.trie_logprobs(mixed)]
-    torch_engines = {None: TorchEngine(smollm2), folder: TorchEngine(adapted)}  # the torch engine through PEFT
+    torch_engines = {None: TorchEngine(smollm2), folder: TorchEngine(adapted, adapter=folder)}  # through PEFT
     want = [_normalized(torch_engines[r.adapter].trie_logprobs([r])[0]) for r in mixed]
     assert max_difference(got, want) < TOLERANCE
     # the adapter changes the scores (it is really applied)

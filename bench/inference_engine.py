@@ -24,7 +24,8 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
     .venv/bin/python bench/inference_engine.py             # the full bench (~1 h on a busy 2-core machine)
     .venv/bin/python bench/inference_engine.py --parts vllm --quick   # vllm vs torch only
 
-Writes bench/results/inference_engine.json (`--parts vllm`: bench/results/inference_engine_vllm.json) (the machine's load averages before and after each part included).
+Writes bench/results/inference_engine.json (`--parts vllm` alone: bench/results/inference_engine_vllm.json), the
+machine's load averages before and after each part included.
 """
 
 from __future__ import annotations
@@ -347,7 +348,8 @@ def main() -> None:
         args.explorative_steps, args.naive_steps, args.aggregate_steps, args.vllm_steps = 40, 40, 20, 30
         args.test_every, args.test_k = 10, 8
     result = {"benchmark": "inference_engine", "task": args.task, "model": "smollm2-135m", "dtype": "float32",
-              "context_window": 2048, "quick": args.quick, "threads_per_run": 1 if args.parts != ["vllm"] else args.threads,
+              "context_window": 2048, "quick": args.quick,
+              "threads_per_run": args.threads if args.parts == ["vllm"] else 1,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "note": "shared 2-core machine, other engineers' jobs running (see load averages)"},
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -15,13 +15,14 @@ vLLM returns the full-vocabulary log-softmax (temperature 1, before any sampling
 Prefix reuse is vLLM's automatic prefix caching: a request reuses every full KV block (32 tokens, the smallest
 block the CPU attention kernel takes) of the longest cached prefix, so a node request computes only its query,
 its trie path and at most 31 tokens of context. The alternatives do not fit (docs/INFERENCE.md):
-`prompt_logprobs` never reads the prefix cache (it recomputes the whole prompt);
-`prompt_logprob_token_ids` and `trace_decode_token_ids` need vLLM's Model Runner V2, which needs Triton (no CPU
+`prompt_logprobs` never reads the prefix cache (SamplingParams sets skip_reading_prefix_cache for it, so the
+whole prompt is recomputed); `prompt_logprob_token_ids` needs vLLM's Model Runner V2, which needs Triton (no CPU
 build); structured outputs' `choice` samples a label with vLLM's own random stream and returns no trie scores.
 
 LoRA adapters are loaded per request (`LoRARequest`), so the base model and trained adapters share one engine
-and one batch: PEFT folders as they are, the project's own adapter folders converted once (`peft_folder`). Requests of several
-calling threads (evaluation streams) are combined into one `generate` call (`_Combiner`): vLLM batches them.
+and one batch: PEFT folders as they are, the project's own adapter folders converted once (`peft_folder`).
+Requests of several calling threads (evaluation streams) are combined into one `generate` call (`_Combiner`):
+vLLM batches them.
 
 The engine runs inside the calling process by default (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor):
 no engine-core or worker process to spawn, so no `if __name__ == "__main__"` guard is needed. Set

@@ -14,6 +14,9 @@ DEFAULTS = {
     "DVC_NO_ANALYTICS": "1",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # The ephemeral Prefect server (`icrl demo`, `icrl pipeline` without `icrl up`) gets 20 s to start by default;
+    # on a loaded 2-core machine it needed more and the run died before its first stage.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     "RAY_USAGE_STATS_ENABLED": "0",
     # Otherwise Ray listens on every interface even when given 127.0.0.1.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

@@ -9,6 +9,7 @@ written with the paper's label text. No dataset text lives in this repository.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from icrl_core.errors import UserError
+from icrl_core.io import read_user_text
 from icrl_core.prompting import PromptTemplate, register_template, template_for
 
 REAL_TASKS = ("banking77", "clinc150", "trec_coarse", "trec_fine", "nlu")
@@ -54,11 +56,8 @@ def _shuffled_prefix(rows: list[Example], size: int, seed: int) -> list[Example]
 
 def _read_label_map(folder: Path) -> dict[str, str]:
     path = folder / "label_map.tsv"
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            rows = list(csv.DictReader(handle, delimiter="\t"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing (each task folder needs label_map.tsv)") from None
+    text = read_user_text(path, "label map", "each task folder needs label_map.tsv")
+    rows = list(csv.DictReader(io.StringIO(text, newline=""), delimiter="\t"))
     if not rows or not {"label", "paper_label"} <= set(rows[0]):
         raise UserError(f"{path}: expected a TSV with columns label, paper_label, paper_id")
     rows.sort(key=lambda r: int(r.get("paper_id") or 0))
@@ -67,20 +66,15 @@ def _read_label_map(folder: Path) -> dict[str, str]:
 
 def _read_split(path: Path, label_map: dict[str, str]) -> list[Example]:
     examples = []
-    try:
-        handle = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing") from None
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                label = label_map[row["label"]]
-                examples.append(Example(text=row["text"], label=label))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise UserError(f"{path}:{number}: bad row ({type(exc).__name__}: {exc})") from None
+    for number, line in enumerate(read_user_text(path, "task split").split("\n"), start=1):  # JSONL: \n only
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            label = label_map[row["label"]]
+            examples.append(Example(text=row["text"], label=label))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{path}:{number}: bad row ({type(exc).__name__}: {exc})") from None
     return examples
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from icrl_core.code_config import CodeConfig  # noqa: F401  (hung on the pipeline config as `code`)
 from icrl_core.objectives import Objective, PPOObjective
@@ -428,6 +428,28 @@ class AdaptConfig(Section):
 # In-context RL evaluation
 
 
+STRATEGIES = ("zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl")
+# The paper's --context_strategy_name values (src/icl/context_generators.py of lil-lab/icrl) -> the strategy here
+# (docs/EVAL.md explains the mapping).
+PAPER_STRATEGIES = {
+    "random_biased_end": "naive",
+    "random_biased_end_only_positive": "naive_plus",
+    "random_unbiased_only_positive": "explorative",
+    "approximate_only_positive": "approximate",
+    "random_unbiased": "icl",
+}
+# The paper's p_keep per strategy; the others keep every episode (1.0: the paper's naive and ICL runs)
+DEFAULT_P_KEEP = {"explorative": 0.1, "approximate": 0.1}
+
+
+def canonical_strategy(name):
+    """A strategy name, or the paper's name for it."""
+    return PAPER_STRATEGIES.get(name, name) if isinstance(name, str) else name
+
+
+StrategyName = Annotated[Literal[STRATEGIES], BeforeValidator(canonical_strategy)]
+
+
 class EvalConfig(Section):
     """The in-context RL evaluation protocol (Monea et al., 2024): `icrl eval`, `icrl max-examples`."""
 
@@ -445,11 +467,13 @@ class EvalConfig(Section):
     disk_path: Annotated[Path | None, Field(description="With source=disk: folder of the saved DatasetDict "
                                             "(splits train/test, the hub dataset's columns).")] = None
     strategy: Annotated[
-        Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
+        StrategyName,
         Field(description="How the context is built from past episodes: zero_shot (none), naive (most recent), "
               "naive_plus (most recent positive), explorative (random subset of positives, p_keep), approximate "
               "(max_contexts growing contexts), icl (supervised upper bound: random subset of gold-labelled "
-              "episodes)."),
+              "episodes). The paper's names are accepted: random_biased_end (naive), "
+              "random_biased_end_only_positive (naive_plus), random_unbiased_only_positive (explorative), "
+              "approximate_only_positive (approximate), random_unbiased (icl)."),
     ] = "explorative"
     icrl: Annotated[bool | None, Field(description="In-context RL: the context shows the model's own predictions "
                                        "and rewards. false: supervised ICL (gold labels, no feedback, no training "
@@ -460,8 +484,15 @@ class EvalConfig(Section):
                                                    "predictions only (0 = greedy). Default: temperature. Set it "
                                                    "to explore at another temperature on the training stream "
                                                    "while keeping the test protocol fixed.")] = None
-    p_keep: Annotated[float, Field(gt=0, le=1, description="Probability that a past episode is kept "
-                                   "(explorative, approximate).")] = 0.1
+    p_keep: Annotated[
+        dict[StrategyName, Annotated[float, Field(gt=0, le=1)]],
+        Field(description="Probability that a past episode is kept, per strategy (the paper's --context_p_keep): "
+              "each candidate episode is kept with this probability before the strategy picks from the kept "
+              "ones (naive and naive_plus: the most recent; explorative and icl: a random subset; approximate: "
+              "joins each context). A strategy not listed has the paper's value: 0.1 for explorative and "
+              "approximate, 1.0 (every episode) for naive, naive_plus and icl. A single number sets explorative "
+              "and approximate."),
+    ] = Field(default_factory=lambda: dict(DEFAULT_P_KEEP))
     max_contexts: Annotated[int, Field(ge=1, description="Number of contexts of the approximate strategy.")] = 8
     approximate_sampling: Annotated[
         Literal["uniform", "likelihood"],
@@ -516,6 +547,18 @@ class EvalConfig(Section):
         "artifacts/icrl_eval"
     )
 
+    @field_validator("p_keep", mode="before")
+    @classmethod
+    def _one_number(cls, value):
+        # `p_keep: 0.3` (the form before it was per strategy): the strategies that sample by default
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {name: value for name in DEFAULT_P_KEEP}
+        return value
+
+    def p_keep_of(self, strategy: str) -> float:
+        strategy = canonical_strategy(strategy)
+        return self.p_keep.get(strategy, DEFAULT_P_KEEP.get(strategy, 1.0))
+
 
 class EvaluateConfig(Section):
     """The pipeline's `evaluate` stage: in-context RL (icrl_eval settings) of the base model and of the trained
@@ -528,10 +571,10 @@ class EvaluateConfig(Section):
                                           "(trained - base), written to output_dir/adapter. 1 = the trained "
                                           "adapter as is; smaller keeps less of what training changed, in "
                                           "general abilities as well as in the skill.")] = 1.0
-    strategies: Annotated[list[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"]],
+    strategies: Annotated[list[StrategyName],
                           Field(min_length=1, description="Strategies run for both models.")] = ["explorative"]
     temperatures: Annotated[
-        dict[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
+        dict[StrategyName,
              Annotated[float, Field(ge=0)]],
         Field(description="Training-stream temperature of some strategies (e.g. {explorative: 2.0}: explore "
               "hotter); the others use icrl_eval.temperature. Test predictions keep one temperature for every "

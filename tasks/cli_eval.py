@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from icrl_core.config import PAPER_STRATEGIES, STRATEGIES
 from tasks.cli_common import (INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt, console,
                               resolve_config)
 
-Strategy = Enum("Strategy", {s: s for s in ("zero_shot", "naive", "naive_plus", "explorative", "approximate",
-                                             "icl")}, type=str)
+Strategy = Enum("Strategy", {s: s for s in (*STRATEGIES, *PAPER_STRATEGIES)}, type=str)  # the config maps the
+# paper's names (icrl_core.config.PAPER_STRATEGIES) to the project's
 Sampling = Enum("Sampling", {s: s for s in ("uniform", "likelihood")}, type=str)
 Source = Enum("Source", {s: s for s in ("dir", "hub", "disk")}, type=str)
 Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16", "auto")}, type=str)
@@ -49,9 +50,11 @@ def register(app: typer.Typer) -> None:
         test_temperature: Annotated[Optional[float], typer.Option(help="Temperature of the test predictions only "
                                                                   "(0 = greedy). Default: --temperature.", min=0,
                                                                   show_default=False)] = None,
-        p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode (explorative, "
-                                                        "approximate; the paper's --context_p_keep).",
-                                                        show_default=False)] = None,
+        p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode, for the "
+                                                        "strategy that runs (the paper's --context_p_keep). "
+                                                        "Default: 0.1 for explorative and approximate, 1.0 for "
+                                                        "naive, naive_plus and icl (icrl_eval.p_keep).",
+                                                        min=0, max=1, show_default=False)] = None,
         max_examples: Annotated[Optional[int], typer.Option(help="Cap on in-context episodes (the paper's "
                                                             "--max_context_examples). Default: computed from the "
                                                             "context window.", min=0, show_default=False)] = None,
@@ -127,7 +130,8 @@ def register(app: typer.Typer) -> None:
         from tasks.icrl_eval import evaluate
 
         extra = _flag_overrides(
-            task=task, strategy=strategy, temperature=temperature, test_temperature=test_temperature, p_keep=p_keep,
+            task=task, strategy=strategy, temperature=temperature, test_temperature=test_temperature,
+            p_keep=None if p_keep is None else {name: p_keep for name in STRATEGIES if name != "zero_shot"},
             max_examples=max_examples, context_window=context_window, icrl=icrl, omit_feedback=omit_feedback,
             flip_feedback_prob=flip_feedback_prob, max_contexts=max_contexts,
             approximate_sampling=approximate_sampling, train_k=train_k, test_every=test_every, test_k=test_k,

@@ -23,7 +23,7 @@ Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16", "auto")}, type=str)
 def _flag_overrides(**flags) -> dict:
     """Nested config tree from the flags that were given (None = not given)."""
     keys = {"model": "model.spec", "dtype": "model.dtype", "tracking": "tracking.enabled",
-            "tasks_dir": "data.tasks_dir"}
+            "tasks_dir": "data.tasks_dir", "adapter": "model.init_adapter"}
     tree: dict = {}
     for name, value in flags.items():
         if value is None:
@@ -101,6 +101,10 @@ def register(app: typer.Typer) -> None:
                                                           show_default=False, **INPUT_FOLDER)] = None,
         model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, "
                                                      "a folder or a HF id.", show_default=False)] = None,
+        adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to evaluate on the model "
+                                                        "(model.init_adapter), e.g. artifacts/ppo/adapter. "
+                                                        "Default: the base model.", show_default=False,
+                                                        **INPUT_FOLDER)] = None,
         dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype: float32 is exact; bfloat16 is faster only "
                                                        "on CPUs with AMX/AVX512-BF16; auto picks.",
                                                        show_default=False)] = None,
@@ -136,7 +140,8 @@ def register(app: typer.Typer) -> None:
             flip_feedback_prob=flip_feedback_prob, max_contexts=max_contexts,
             approximate_sampling=approximate_sampling, train_k=train_k, test_every=test_every, test_k=test_k,
             seed=seed, training_seed=training_seed, test_seed=test_seed, debug_k=debug_k, source=source,
-            disk_path=disk_path, tasks_dir=tasks_dir, model=model, dtype=dtype, reuse_cache=reuse_cache,
+            disk_path=disk_path, tasks_dir=tasks_dir, model=model, adapter=adapter, dtype=dtype,
+            reuse_cache=reuse_cache,
             threads=threads, run_name=run_name, output_dir=output_dir, tracking=tracking)
         config = resolve_config(params, overrides, extra=extra)
         out = console()
@@ -285,10 +290,8 @@ def register(app: typer.Typer) -> None:
 
         from tasks.icrl_eval import probe_feedback
 
-        extra = _flag_overrides(task=task, seed=seed, tasks_dir=tasks_dir, model=model, dtype=dtype,
-                                threads=threads)
-        if adapter is not None:
-            extra.setdefault("model", {})["init_adapter"] = str(adapter)
+        extra = _flag_overrides(task=task, seed=seed, tasks_dir=tasks_dir, model=model, adapter=adapter,
+                                dtype=dtype, threads=threads)
         config = resolve_config(params, overrides, extra=extra)
         result = probe_feedback(config, target, attempts or [1, 4], queries, output=output, progress=progress)
         table = Table("context", f"p({target})", "p(gold)")

@@ -153,7 +153,7 @@ def test_bad_values_from_a_fresh_shell(tmp_path):
         ("eval", "--strategy", "bogus"): "'bogus' is not one of",
         ("eval", "--train-k", "-5"): "Invalid value for '--train-k'",
         ("stage", "nosuchstage"): "unknown stage 'nosuchstage'",
-        ("eval", "--adapter", "x"): "No such option: --adapter",
+        ("eval", "--adapter", "x"): "Invalid value for '--adapter'",
         ("validate-episodes", str(tmp_path)): "is a directory",
     }
     for argv, message in expected.items():

@@ -82,10 +82,12 @@ class ModelConfig(Section):
 
 
 class TaskSource(Section):
-    """Episodes from a labelled classification task in the icrl-tasks folder format."""
+    """Episodes from a labelled classification task in the icrl-tasks folder format (docs/TASKS.md)."""
 
     kind: Literal["task"] = "task"
-    name: Annotated[str, Field(description="Task name, e.g. banking77, clinc150, banking77_unsemantic.")]
+    name: Annotated[str, Field(description="Task: a name (banking77, banking77_unsemantic, a folder under "
+                               "data.tasks_dir) or the path of a task folder (train.jsonl, test.jsonl, "
+                               "labels.txt).")]
     weight: Annotated[float, Field(gt=0, description="Relative share of episodes drawn from this source.")] = 1.0
 
 
@@ -108,11 +110,32 @@ class FileSource(Section):
 EpisodeSource = Annotated[Union[TaskSource, SyntheticSource, FileSource], Field(discriminator="kind")]
 
 
+class TaskPrompt(Section):
+    """A task's prompt prefixes (unset: the task's own, from its built-in template or its folder's
+    prompt.yaml)."""
+
+    query_prefix: Annotated[str | None, Field(description="Written before each query, e.g. 'Review:'.")] = None
+    answer_prefix: Annotated[str | None, Field(description="Opens each answer, e.g. 'Sentiment:'.")] = None
+    task_description: Annotated[str | None, Field(description="Appended to the system prompt after a "
+                                                  "newline.")] = None
+
+
 class DataConfig(Section):
     tasks_dir: Annotated[
         Path, Field(description="Folder with one sub-folder per classification task (train.jsonl, test.jsonl, "
-                    "labels.txt, label_map.tsv).")
+                    "labels.txt; optional label_map.tsv, prompt.yaml). Its folders are tasks by name.")
     ] = Path("../shared/data/icrl-tasks")
+    task_prompts: Annotated[
+        dict[str, TaskPrompt],
+        Field(description="Prompt prefixes per task, keyed by the task as written in data.sources or "
+              "icrl_eval.task (a name or a folder path), over the task's own (e.g. {my_reviews: {query_prefix: "
+              "'Review:', answer_prefix: 'Sentiment:'}})."),
+    ] = {}
+
+    def prompt_of(self, task: str) -> dict[str, str | None] | None:
+        """The prompt prefixes data.task_prompts sets for `task`."""
+        prompt = self.task_prompts.get(task)
+        return prompt.model_dump() if prompt is not None else None
     sources: Annotated[list[EpisodeSource], Field(min_length=1, description="Where episodes come from.")] = Field(
         default_factory=lambda: [SyntheticSource(name="keyword_map")]
     )
@@ -453,7 +476,8 @@ StrategyName = Annotated[Literal[STRATEGIES], BeforeValidator(canonical_strategy
 class EvalConfig(Section):
     """The in-context RL evaluation protocol (Monea et al., 2024): `icrl eval`, `icrl max-examples`."""
 
-    task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`).")] = "keyword_map"
+    task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`): a name, a task folder "
+                               "under data.tasks_dir, or the path of a task folder (docs/TASKS.md).")] = "keyword_map"
     task_seed: Annotated[int | None, Field(description="Seed of a synthetic task's hidden rule (default: the "
                                            "global seed). A seed other than the training data's gives a rule "
                                            "the model has never seen.")] = None

@@ -74,27 +74,37 @@ def validate_episodes(
 
 @app.command("tasks")
 def list_tasks(
+    names: Annotated[Optional[list[str]], typer.Argument(
+        help="Tasks to show: names or task folder paths. Default: every task (built-in, the folders of "
+        "data.tasks_dir, the data.sources and icrl_eval.task given as paths).", show_default=False)] = None,
     params: ParamsOpt = None,
     overrides: SetOpt = None,
 ) -> None:
-    """List the classification tasks (real, unsemantic, synthetic) with their label and example counts, and the
-    code-task family (Python functions with hidden tests) per template, level and split."""
+    """List the classification tasks (real, unsemantic, your task folders, synthetic) with their label and example
+    counts and prompt prefixes, and the code-task family (Python functions with hidden tests) per template, level
+    and split. Tasks named on the command line: only those, and one that cannot be read is an error."""
     from rich.table import Table
 
-    from icrl_core.task_data import available_tasks, load_task
+    from icrl_core.task_data import available_tasks, is_task_path, load_task
 
     cfg = resolve_config(params, overrides)
     table = Table("task", "labels", "train", "test", "query prefix", "answer prefix")
-    for name in available_tasks():
+    listed = names or available_tasks(cfg.data.tasks_dir) + [
+        name for name in dict.fromkeys([*(s.name for s in cfg.data.sources if s.kind == "task"), cfg.icrl_eval.task])
+        if is_task_path(name)]
+    for name in listed:
         try:
-            task = load_task(name, cfg.data.tasks_dir, seed=cfg.seed)
+            task = load_task(name, cfg.data.tasks_dir, seed=cfg.seed, prompt=cfg.data.prompt_of(name))
         except UserError as exc:
+            if names:
+                raise
             table.add_row(name, "-", "-", "-", str(exc)[:40], "")
             continue
-        table.add_row(name, str(len(task.labels)), str(len(task.train)), str(len(task.test)),
-                      task.template.query_prefix, task.template.answer_prefix)
+        table.add_row(task.name if is_task_path(name) else name, str(len(task.labels)), str(len(task.train)),
+                      str(len(task.test)), task.template.query_prefix, task.template.answer_prefix)
     console().print(table)
-    console().print(_code_task_table(cfg.code.task_seed, cfg.code.variants))
+    if not names:
+        console().print(_code_task_table(cfg.code.task_seed, cfg.code.variants))
 
 
 def _code_task_table(seed: int, variants: int):

@@ -15,8 +15,11 @@ def run_stage(name: str, config) -> dict:
     final metrics (also written to metrics/<name>.json)."""
     from tasks.stages import check_stage_names, load_stages
 
+    from icrl_core.task_data import register_task_templates
+
     check_stage_names([name])
     stages = load_stages()
+    register_task_templates(config.data)  # episodes of a task with its own prompt render with it
     module = importlib.import_module(stages[name].module)
     return module.run(config)
 

@@ -28,6 +28,7 @@ from icrl_core.config import EvalConfig, FrozenAdapter
 from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json, atomic_write_text
+from icrl_core.task_data import task_label
 
 STAGE = "icrl_eval"
 # Fields that change speed or bookkeeping only; a resumed run may change them.
@@ -36,7 +37,7 @@ FREE_ON_RESUME = {"output_dir", "run_name", "debug_k", "threads", "log_every", "
 
 
 def default_run_name(cfg: EvalConfig) -> str:
-    return cfg.run_name or f"{cfg.task}-{cfg.strategy}-seed{cfg.seed}"
+    return cfg.run_name or f"{task_label(cfg.task)}-{cfg.strategy}-seed{cfg.seed}"
 
 
 def run_dir_for(cfg: EvalConfig) -> Path:
@@ -258,7 +259,7 @@ def load_eval_task(config: PipelineConfig):
     cfg = config.icrl_eval
     seed = cfg.task_seed if cfg.task_seed is not None else config.seed
     return load_task_from_source(cfg.task, cfg.source, config.data.tasks_dir, seed=seed,
-                                 disk_path=cfg.disk_path)
+                                 disk_path=cfg.disk_path, prompt=config.data.prompt_of(cfg.task))
 
 
 def load_tokens_and_window(spec: str, cache_dir: Path | None = None):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -344,7 +345,7 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     import torch
 
     from icrl_core.icrl_eval import (DebugEvent, EvaluationEvent, Predictor, StepEvent, history_from_events,
-                                     run_protocol, summarize)
+                                     is_supervised, run_protocol, summarize)
     from tasks.tracking import stage_run
 
     cfg = config.icrl_eval
@@ -354,9 +355,16 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     task = load_eval_task(config)
     task.training_stream(cfg.train_k, cfg.training_seed)  # bad sizes fail before a run folder exists
     task.test_set(cfg.test_k, cfg.test_seed)
+    is_supervised(cfg)  # strategy icl with icrl=true is refused here too
+    fresh = not run_dir_for(cfg).exists()
     run_dir, steps, tests = prepare_run_dir(config, resume)
     started = time.perf_counter()
-    model = load_eval_model(config, engine)
+    try:
+        model = load_eval_model(config, engine)
+    except UserError:
+        if fresh:  # a bad model or adapter leaves no run folder that would need --resume
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     info_path = run_dir / "run.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     if "max_examples" not in info:

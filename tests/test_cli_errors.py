@@ -160,3 +160,29 @@ def test_bad_values_from_a_fresh_shell(tmp_path):
         result = run_cli(*argv, cwd=tmp_path)
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):
+    """Values any text parses as (task, model, strategy target, a folder that exists but is the wrong kind): the
+    command names the problem, exit 2; a failed `icrl eval` leaves no run folder behind that would need --resume."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    fast = ["--model", "tiny", "--no-tracking", "--train-k", "1", "--test-k", "1"]
+    cases = {
+        ("eval", "--task", "bogus", *fast): "unknown task 'bogus'",
+        ("eval", "--task", "./empty", *fast): "empty/labels.txt: label list not found",
+        ("eval", "--model", "bogus-model", "--no-tracking"): "unknown model spec 'bogus-model'",
+        ("eval", "--adapter", "empty", *fast): "adapter.safetensors: file not found",
+        ("eval", "--strategy", "icl", "--icrl", *fast): "cannot run with icrl_eval.icrl=true",
+        ("max-examples", "--task", "bogus"): "unknown task 'bogus'",
+        ("probe-feedback", "--task", "keyword_map", "--target", "bogus", "--model", "tiny"): "not a label of task",
+        ("inspect", "empty"): "is it an icrl eval run folder?",
+        ("model", "interpolate", "empty", "--scale", "0.5", "--output", "out"): "not a trained adapter folder",
+        ("tasks", "./empty"): "label list not found",
+        ("pipeline", "--stage", "bogus"): "unknown stage 'bogus'",
+    }
+    for argv, message in cases.items():
+        code, err = call(list(argv), capsys)
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "artifacts" / "icrl_eval").exists() or not any((tmp_path / "artifacts" / "icrl_eval"
+                                                                             ).iterdir())

@@ -149,7 +149,9 @@ def test_an_unknown_option_exits_2(path, capsys):
 
 def test_bad_values_from_a_fresh_shell(tmp_path):
     """The real console script: the messages of the issue's examples, on stderr, exit code 2."""
+    (tmp_path / "latin1.yaml").write_bytes(NOT_UTF8)
     expected = {
+        ("config", "show", "-c", str(tmp_path / "latin1.yaml")): "not UTF-8",
         ("eval", "--strategy", "bogus"): "'bogus' is not one of",
         ("eval", "--train-k", "-5"): "Invalid value for '--train-k'",
         ("stage", "nosuchstage"): "unknown stage 'nosuchstage'",

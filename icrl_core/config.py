@@ -467,6 +467,9 @@ DEFAULT_P_KEEP = {"explorative": 0.1, "approximate": 0.1}
 
 def canonical_strategy(name):
     """A strategy name, or the paper's name for it."""
+    if isinstance(name, str) and name not in STRATEGIES and name not in PAPER_STRATEGIES:
+        raise ValueError(f"unknown strategy '{name}': one of {', '.join(STRATEGIES)}, or the paper's "
+                         f"{', '.join(PAPER_STRATEGIES)}")
     return PAPER_STRATEGIES.get(name, name) if isinstance(name, str) else name
 
 
@@ -565,11 +568,18 @@ class EvalConfig(Section):
                                   "machine 1 thread per process can be much faster than 2.")] = 0
     log_every: Annotated[int, Field(ge=1, description="Log running train metrics to MLflow every this many "
                                     "steps.")] = 10
-    run_name: Annotated[str | None, Field(description="Run folder name under output_dir. Default: "
-                                          "<task>-<strategy>-seed<seed>.")] = None
+    run_name: Annotated[str | None, Field(description="Run folder name under output_dir (a name, not a path). "
+                                          "Default: <task>-<strategy>-seed<seed>.")] = None
     output_dir: Annotated[Path, Field(description="Where run folders (step log, metrics, plot) go.")] = Path(
         "artifacts/icrl_eval"
     )
+
+    @field_validator("run_name")
+    @classmethod
+    def _a_folder_name(cls, value):
+        if value is not None and (value in ("", ".", "..") or "/" in value or "\\" in value):
+            raise ValueError(f"'{value}' is not a folder name (the run folder goes under output_dir)")
+        return value
 
     @field_validator("p_keep", mode="before")
     @classmethod

@@ -150,3 +150,26 @@ def test_a_task_folder_as_a_dataset_source(tmp_path, tokens):
     register_task_templates(data)
     text = tokens.decode(render_episode(built[0].episode, tokens, 2048).input_ids)
     assert "Note: I thought about the" in text and "Feel:" in text and "Group the word." in text
+
+
+def test_the_stages_build_and_tokenize_a_task_folder_from_an_experiment_file(tmp_path, monkeypatch, capsys):
+    """An experiment file names the folder as a data source; tokenize, in a fresh process (the registry emptied
+    here), renders its episodes with the folder's prompt.yaml and the config's task_prompts."""
+    import glob
+
+    from icrl_core.tokenized import load_tokenizer, read_tokenized
+
+    monkeypatch.chdir(tmp_path)
+    make_task(tmp_path / "feelings")
+    (tmp_path / "exp.yaml").write_text(
+        "data.sources: [{kind: task, name: ./feelings}]\ndata.num_episodes: 8\n"
+        "data.task_prompts: {./feelings: {task_description: Group the word.}}\n"
+        "model.spec: tiny\nmodel.dtype: float32\ntracking.enabled: false\n")
+    code, _, err = call(["stage", "build_dataset", "-c", "exp.yaml"], capsys)
+    assert code in (0, None), err
+    TEMPLATES.pop("feelings")
+    code, _, err = call(["stage", "tokenize", "-c", "exp.yaml"], capsys)
+    assert code in (0, None), err
+    rows = read_tokenized(glob.glob("artifacts/tokenized/*.parquet")[0])
+    text = load_tokenizer("tiny").decode(rows[0].input_ids)
+    assert "Group the word." in text and "Note: I thought about the" in text and "Feel:" in text

@@ -147,21 +147,29 @@ def test_an_unknown_option_exits_2(path, capsys):
     assert code == 2 and "No such option: --no-such-option" in err and "Traceback" not in err, err
 
 
-def test_bad_values_from_a_fresh_shell(tmp_path):
-    """The real console script: the messages of the issue's examples, on stderr, exit code 2."""
+def test_the_issues_examples(tmp_path, monkeypatch, capsys):
+    """The examples of issue 31: the message on stderr, exit code 2, no traceback; three of them through the real
+    console script (a fresh interpreter, as a user runs it), the others in-process."""
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "latin1.yaml").write_bytes(NOT_UTF8)
-    expected = {
-        ("config", "show", "-c", str(tmp_path / "latin1.yaml")): "not UTF-8",
-        ("eval", "--strategy", "bogus"): "'bogus' is not one of",
-        ("eval", "--train-k", "-5"): "Invalid value for '--train-k'",
+    in_shell = {
+        ("eval", "--strategy", "bogus"): "'bogus' is not one of",  # an error of typer's own click
         ("stage", "nosuchstage"): "unknown stage 'nosuchstage'",
+        ("config", "show", "-c", str(tmp_path / "latin1.yaml")): "not UTF-8",
+    }
+    in_process = {
+        ("eval", "--train-k", "-5"): "Invalid value for '--train-k'",
         ("eval", "--adapter", "x"): "Invalid value for '--adapter'",
         ("validate-episodes", str(tmp_path)): "is a directory",
+        ("eval", "-c", str(tmp_path / "latin1.yaml")): "not UTF-8",
     }
-    for argv, message in expected.items():
+    for argv, message in in_shell.items():
         result = run_cli(*argv, cwd=tmp_path)
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
+    for argv, message in in_process.items():
+        code, err = call(list(argv), capsys)
+        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
 
 
 def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):

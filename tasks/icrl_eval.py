@@ -294,8 +294,14 @@ def resolve_max_examples(cfg: EvalConfig, task, tokens, window: int) -> int:
 
 
 def _check_resumable(run_dir: Path, config: PipelineConfig) -> None:
+    from pydantic import ValidationError
+
     saved = json.loads((run_dir / "config.json").read_text())
     now = config.model_dump(mode="json")
+    try:  # a run written before a field changed its form (e.g. p_keep, once one number) compares by meaning
+        saved["icrl_eval"] = EvalConfig.model_validate(saved.get("icrl_eval", {})).model_dump(mode="json")
+    except ValidationError:
+        pass  # keys this version does not know: compared as written, and reported
     diffs = []
     for section in ("icrl_eval", "model"):
         for key in sorted(set(saved.get(section, {})) | set(now[section])):

@@ -173,3 +173,18 @@ def test_the_stages_build_and_tokenize_a_task_folder_from_an_experiment_file(tmp
     rows = read_tokenized(glob.glob("artifacts/tokenized/*.parquet")[0])
     text = load_tokenizer("tiny").decode(rows[0].input_ids)
     assert "Group the word." in text and "Note: I thought about the" in text and "Feel:" in text
+
+
+def test_the_evaluate_stage_knows_a_task_folder_by_its_files_and_prompt(tmp_path):
+    """Finished base runs are reused by result_key: editing the task folder or its prompt makes another key."""
+    from tasks.evaluate import result_key
+    from tasks.settings import load_config, with_overrides
+
+    folder = make_task(tmp_path / "feelings")
+    config = with_overrides(load_config(), {"icrl_eval.task": str(folder), "model.dtype": "float32"})
+    key = result_key(config)
+    assert result_key(config) == key
+    assert result_key(with_overrides(config, {"data.task_prompts": {str(folder): {"query_prefix": "Q:"}}})) != key
+    with open(folder / "test.jsonl", "a") as handle:
+        handle.write(json.dumps({"text": "I thought about the ice today.", "label": "cold"}) + "\n")
+    assert result_key(config) != key

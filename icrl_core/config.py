@@ -468,8 +468,8 @@ DEFAULT_P_KEEP = {"explorative": 0.1, "approximate": 0.1}
 def canonical_strategy(name):
     """A strategy name, or the paper's name for it."""
     if isinstance(name, str) and name not in STRATEGIES and name not in PAPER_STRATEGIES:
-        raise ValueError(f"unknown strategy '{name}': one of {', '.join(STRATEGIES)}, or the paper's "
-                         f"{', '.join(PAPER_STRATEGIES)}")
+        raise ValueError(f"unknown strategy '{name}': one of {', '.join(map(repr, STRATEGIES))}, or the paper's "
+                         f"{', '.join(map(repr, PAPER_STRATEGIES))}")
     return PAPER_STRATEGIES.get(name, name) if isinstance(name, str) else name
 
 

@@ -185,7 +185,7 @@ def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):
         ("eval", "--adapter", "empty", *fast): "adapter.safetensors: file not found",
         ("eval", "--strategy", "icl", "--icrl", *fast): "cannot run with icrl_eval.icrl=true",
         ("eval", "--run-name", "../elsewhere", *fast): "'../elsewhere' is not a folder name",
-        ("config", "show", "--set", "icrl_eval.strategy=random_biased_start"): "or the paper's random_biased_end",
+        ("config", "show", "--set", "icrl_eval.strategy=random_biased_start"): "or the paper's 'random_biased_end'",
         ("max-examples", "--task", "bogus"): "unknown task 'bogus'",
         ("probe-feedback", "--task", "keyword_map", "--target", "bogus", "--model", "tiny"): "not a label of task",
         ("inspect", "empty"): "is it an icrl eval run folder?",

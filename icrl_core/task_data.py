@@ -128,7 +128,7 @@ def is_task_path(name: str) -> bool:
 
 def task_label(name: str) -> str:
     """The name a task is known by (run names, episodes' task_type): a path's folder name, else the name."""
-    return Path(name).expanduser().name if is_task_path(name) else name
+    return Path(name).expanduser().resolve().name if is_task_path(name) else name  # resolved: `.` has a name
 
 
 def task_folder(name: str, tasks_dir: Path | str | None) -> Path | None:
@@ -161,7 +161,7 @@ def load_task_folder(folder: Path | str, name: str | None = None,
                      prompt: dict[str, str | None] | None = None) -> ClassificationTask:
     """A task from its folder (the module docstring says what it holds); `name` defaults to the folder's name."""
     folder = Path(folder)
-    name = name or folder.name
+    name = name or task_label(str(folder))
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
         raise UserError(f"task '{name}': {folder} {what} (a task folder holds {', '.join(TASK_FILES)})")

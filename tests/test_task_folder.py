@@ -61,8 +61,10 @@ def call(argv: list[str], capsys) -> tuple[int, str, str]:
     return info.value.code, out.out, out.err
 
 
-def test_a_folder_is_a_task_by_path_and_by_name(tmp_path):
+def test_a_folder_is_a_task_by_path_and_by_name(tmp_path, monkeypatch):
     make_task(tmp_path / "tasks" / "feelings")
+    monkeypatch.chdir(tmp_path / "tasks" / "feelings")
+    assert load_task(".", "/nonexistent").name == load_task("../feelings/", "/nonexistent").name == "feelings"
     by_path = load_task(str(tmp_path / "tasks" / "feelings"), "/nonexistent")
     by_name = load_task("feelings", tmp_path / "tasks")
     assert by_path.name == by_name.name == "feelings"

@@ -451,7 +451,7 @@ class AdaptConfig(Section):
 # In-context RL evaluation
 
 
-STRATEGIES = ("zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl")
+STRATEGY_NAMES = ("zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl")
 # The paper's --context_strategy_name values (src/icl/context_generators.py of lil-lab/icrl) -> the strategy here
 # (docs/EVAL.md explains the mapping).
 PAPER_STRATEGIES = {
@@ -467,13 +467,13 @@ DEFAULT_P_KEEP = {"explorative": 0.1, "approximate": 0.1}
 
 def canonical_strategy(name):
     """A strategy name, or the paper's name for it."""
-    if isinstance(name, str) and name not in STRATEGIES and name not in PAPER_STRATEGIES:
-        raise ValueError(f"unknown strategy '{name}': one of {', '.join(map(repr, STRATEGIES))}, or the paper's "
+    if isinstance(name, str) and name not in STRATEGY_NAMES and name not in PAPER_STRATEGIES:
+        raise ValueError(f"unknown strategy '{name}': one of {', '.join(map(repr, STRATEGY_NAMES))}, or the paper's "
                          f"{', '.join(map(repr, PAPER_STRATEGIES))}")
     return PAPER_STRATEGIES.get(name, name) if isinstance(name, str) else name
 
 
-StrategyName = Annotated[Literal[STRATEGIES], BeforeValidator(canonical_strategy)]
+StrategyName = Annotated[Literal[STRATEGY_NAMES], BeforeValidator(canonical_strategy)]
 
 
 class EvalConfig(Section):

@@ -9,11 +9,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from icrl_core.config import PAPER_STRATEGIES, STRATEGIES
+from icrl_core.config import PAPER_STRATEGIES, STRATEGY_NAMES
 from tasks.cli_common import (INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt, console,
                               resolve_config)
 
-Strategy = Enum("Strategy", {s: s for s in (*STRATEGIES, *PAPER_STRATEGIES)}, type=str)  # the config maps the
+Strategy = Enum("Strategy", {s: s for s in (*STRATEGY_NAMES, *PAPER_STRATEGIES)}, type=str)  # the config maps the
 # paper's names (icrl_core.config.PAPER_STRATEGIES) to the project's
 Sampling = Enum("Sampling", {s: s for s in ("uniform", "likelihood")}, type=str)
 Source = Enum("Source", {s: s for s in ("dir", "hub", "disk")}, type=str)
@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
 
         extra = _flag_overrides(
             task=task, strategy=strategy, temperature=temperature, test_temperature=test_temperature,
-            p_keep=None if p_keep is None else {name: p_keep for name in STRATEGIES if name != "zero_shot"},
+            p_keep=None if p_keep is None else {name: p_keep for name in STRATEGY_NAMES if name != "zero_shot"},
             max_examples=max_examples, context_window=context_window, icrl=icrl, omit_feedback=omit_feedback,
             flip_feedback_prob=flip_feedback_prob, max_contexts=max_contexts,
             approximate_sampling=approximate_sampling, train_k=train_k, test_every=test_every, test_k=test_k,

@@ -118,8 +118,8 @@ def walk_cases(tmp: Path):
                 argv = list(path)
                 if param.param_type_name == "option":  # the bad one first: click checks in command-line order
                     argv += [param.opts[0], str(value)]
-                argv += [tok for p in others if p.param_type_name == "option" for tok in (p.opts[0],
-                                                                                          valid_value(p, tmp, path[-1]))]
+                argv += [tok for p in others if p.param_type_name == "option"
+                         for tok in (p.opts[0], valid_value(p, tmp, path[-1]))]
                 argv += [str(value) if p is param else valid_value(p, tmp, path[-1]) for p in command.params
                          if p.param_type_name == "argument" and (p.required or p is param)]
                 yield param, str(value), argv

@@ -38,7 +38,9 @@ def register(app: typer.Typer) -> None:
 
         from tasks.cli_common import DEFAULT_PARAMS, config_files
         from tasks.settings import params_file_overrides
+        from tasks.stages import check_stage_names
 
+        check_stage_names(stages or [])
         files = config_files(params) + list(experiment or [])
         flat = params_file_overrides(DEFAULT_PARAMS, files, overrides or [])
         if name is None and experiment:
@@ -74,8 +76,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("up")
     def up(
-        prefect_port: Annotated[int, typer.Option(help="Prefect server port.")] = 4200,
-        mlflow_port: Annotated[int, typer.Option(help="MLflow server port.")] = 5000,
+        prefect_port: Annotated[int, typer.Option(help="Prefect server port.", min=1, max=65535)] = 4200,
+        mlflow_port: Annotated[int, typer.Option(help="MLflow server port.", min=1, max=65535)] = 5000,
         host: Annotated[str, typer.Option(help="Interface to bind. Default loopback only; 0.0.0.0 exposes the "
                                           "servers to the network.")] = "127.0.0.1",
         deploy: Annotated[bool, typer.Option(help="Deploy the flows of prefect.yaml.")] = True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from icrl_core.code_config import CodeConfig  # noqa: F401  (hung on the pipeline config as `code`)
 from icrl_core.objectives import Objective, PPOObjective
@@ -82,10 +82,12 @@ class ModelConfig(Section):
 
 
 class TaskSource(Section):
-    """Episodes from a labelled classification task in the icrl-tasks folder format."""
+    """Episodes from a labelled classification task in the icrl-tasks folder format (docs/TASKS.md)."""
 
     kind: Literal["task"] = "task"
-    name: Annotated[str, Field(description="Task name, e.g. banking77, clinc150, banking77_unsemantic.")]
+    name: Annotated[str, Field(description="Task: a name (banking77, banking77_unsemantic, a folder under "
+                               "data.tasks_dir) or the path of a task folder (train.jsonl, test.jsonl, "
+                               "labels.txt).")]
     weight: Annotated[float, Field(gt=0, description="Relative share of episodes drawn from this source.")] = 1.0
 
 
@@ -108,11 +110,32 @@ class FileSource(Section):
 EpisodeSource = Annotated[Union[TaskSource, SyntheticSource, FileSource], Field(discriminator="kind")]
 
 
+class TaskPrompt(Section):
+    """A task's prompt prefixes (unset: the task's own, from its built-in template or its folder's
+    prompt.yaml)."""
+
+    query_prefix: Annotated[str | None, Field(description="Written before each query, e.g. 'Review:'.")] = None
+    answer_prefix: Annotated[str | None, Field(description="Opens each answer, e.g. 'Sentiment:'.")] = None
+    task_description: Annotated[str | None, Field(description="Appended to the system prompt after a "
+                                                  "newline.")] = None
+
+
 class DataConfig(Section):
     tasks_dir: Annotated[
         Path, Field(description="Folder with one sub-folder per classification task (train.jsonl, test.jsonl, "
-                    "labels.txt, label_map.tsv).")
+                    "labels.txt; optional label_map.tsv, prompt.yaml). Its folders are tasks by name.")
     ] = Path("../shared/data/icrl-tasks")
+    task_prompts: Annotated[
+        dict[str, TaskPrompt],
+        Field(description="Prompt prefixes per task, keyed by the task as written in data.sources or "
+              "icrl_eval.task (a name or a folder path), over the task's own (e.g. {my_reviews: {query_prefix: "
+              "'Review:', answer_prefix: 'Sentiment:'}})."),
+    ] = {}
+
+    def prompt_of(self, task: str) -> dict[str, str | None] | None:
+        """The prompt prefixes data.task_prompts sets for `task`."""
+        prompt = self.task_prompts.get(task)
+        return prompt.model_dump() if prompt is not None else None
     sources: Annotated[list[EpisodeSource], Field(min_length=1, description="Where episodes come from.")] = Field(
         default_factory=lambda: [SyntheticSource(name="keyword_map")]
     )
@@ -428,10 +451,36 @@ class AdaptConfig(Section):
 # In-context RL evaluation
 
 
+STRATEGY_NAMES = ("zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl")
+# The paper's --context_strategy_name values (src/icl/context_generators.py of lil-lab/icrl) -> the strategy here
+# (docs/EVAL.md explains the mapping).
+PAPER_STRATEGIES = {
+    "random_biased_end": "naive",
+    "random_biased_end_only_positive": "naive_plus",
+    "random_unbiased_only_positive": "explorative",
+    "approximate_only_positive": "approximate",
+    "random_unbiased": "icl",
+}
+# The paper's p_keep per strategy; the others keep every episode (1.0: the paper's naive and ICL runs)
+DEFAULT_P_KEEP = {"explorative": 0.1, "approximate": 0.1}
+
+
+def canonical_strategy(name):
+    """A strategy name, or the paper's name for it."""
+    if isinstance(name, str) and name not in STRATEGY_NAMES and name not in PAPER_STRATEGIES:
+        raise ValueError(f"unknown strategy '{name}': one of {', '.join(map(repr, STRATEGY_NAMES))}, or the paper's "
+                         f"{', '.join(map(repr, PAPER_STRATEGIES))}")
+    return PAPER_STRATEGIES.get(name, name) if isinstance(name, str) else name
+
+
+StrategyName = Annotated[Literal[STRATEGY_NAMES], BeforeValidator(canonical_strategy)]
+
+
 class EvalConfig(Section):
     """The in-context RL evaluation protocol (Monea et al., 2024): `icrl eval`, `icrl max-examples`."""
 
-    task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`).")] = "keyword_map"
+    task: Annotated[str, Field(description="Task to evaluate on (see `icrl tasks`): a name, a task folder "
+                               "under data.tasks_dir, or the path of a task folder (docs/TASKS.md).")] = "keyword_map"
     task_seed: Annotated[int | None, Field(description="Seed of a synthetic task's hidden rule (default: the "
                                            "global seed). A seed other than the training data's gives a rule "
                                            "the model has never seen.")] = None
@@ -445,11 +494,13 @@ class EvalConfig(Section):
     disk_path: Annotated[Path | None, Field(description="With source=disk: folder of the saved DatasetDict "
                                             "(splits train/test, the hub dataset's columns).")] = None
     strategy: Annotated[
-        Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
+        StrategyName,
         Field(description="How the context is built from past episodes: zero_shot (none), naive (most recent), "
               "naive_plus (most recent positive), explorative (random subset of positives, p_keep), approximate "
               "(max_contexts growing contexts), icl (supervised upper bound: random subset of gold-labelled "
-              "episodes)."),
+              "episodes). The paper's names are accepted: random_biased_end (naive), "
+              "random_biased_end_only_positive (naive_plus), random_unbiased_only_positive (explorative), "
+              "approximate_only_positive (approximate), random_unbiased (icl)."),
     ] = "explorative"
     icrl: Annotated[bool | None, Field(description="In-context RL: the context shows the model's own predictions "
                                        "and rewards. false: supervised ICL (gold labels, no feedback, no training "
@@ -460,8 +511,15 @@ class EvalConfig(Section):
                                                    "predictions only (0 = greedy). Default: temperature. Set it "
                                                    "to explore at another temperature on the training stream "
                                                    "while keeping the test protocol fixed.")] = None
-    p_keep: Annotated[float, Field(gt=0, le=1, description="Probability that a past episode is kept "
-                                   "(explorative, approximate).")] = 0.1
+    p_keep: Annotated[
+        dict[StrategyName, Annotated[float, Field(gt=0, le=1)]],
+        Field(description="Probability that a past episode is kept, per strategy (the paper's --context_p_keep): "
+              "each candidate episode is kept with this probability before the strategy picks from the kept "
+              "ones (naive and naive_plus: the most recent; explorative and icl: a random subset; approximate: "
+              "joins each context). A strategy not listed has the paper's value: 0.1 for explorative and "
+              "approximate, 1.0 (every episode) for naive, naive_plus and icl. A single number sets explorative "
+              "and approximate."),
+    ] = Field(default_factory=lambda: dict(DEFAULT_P_KEEP))
     max_contexts: Annotated[int, Field(ge=1, description="Number of contexts of the approximate strategy.")] = 8
     approximate_sampling: Annotated[
         Literal["uniform", "likelihood"],
@@ -510,11 +568,30 @@ class EvalConfig(Section):
                                   "machine 1 thread per process can be much faster than 2.")] = 0
     log_every: Annotated[int, Field(ge=1, description="Log running train metrics to MLflow every this many "
                                     "steps.")] = 10
-    run_name: Annotated[str | None, Field(description="Run folder name under output_dir. Default: "
-                                          "<task>-<strategy>-seed<seed>.")] = None
+    run_name: Annotated[str | None, Field(description="Run folder name under output_dir (a name, not a path). "
+                                          "Default: <task>-<strategy>-seed<seed>.")] = None
     output_dir: Annotated[Path, Field(description="Where run folders (step log, metrics, plot) go.")] = Path(
         "artifacts/icrl_eval"
     )
+
+    @field_validator("run_name")
+    @classmethod
+    def _a_folder_name(cls, value):
+        if value is not None and (value in ("", ".", "..") or "/" in value or "\\" in value):
+            raise ValueError(f"'{value}' is not a folder name (the run folder goes under output_dir)")
+        return value
+
+    @field_validator("p_keep", mode="before")
+    @classmethod
+    def _one_number(cls, value):
+        # `p_keep: 0.3` (the form before it was per strategy): the strategies that sample by default
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {name: value for name in DEFAULT_P_KEEP}
+        return value
+
+    def p_keep_of(self, strategy: str) -> float:
+        strategy = canonical_strategy(strategy)
+        return self.p_keep.get(strategy, DEFAULT_P_KEEP.get(strategy, 1.0))
 
 
 class EvaluateConfig(Section):
@@ -528,10 +605,10 @@ class EvaluateConfig(Section):
                                           "(trained - base), written to output_dir/adapter. 1 = the trained "
                                           "adapter as is; smaller keeps less of what training changed, in "
                                           "general abilities as well as in the skill.")] = 1.0
-    strategies: Annotated[list[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"]],
+    strategies: Annotated[list[StrategyName],
                           Field(min_length=1, description="Strategies run for both models.")] = ["explorative"]
     temperatures: Annotated[
-        dict[Literal["zero_shot", "naive", "naive_plus", "explorative", "approximate", "icl"],
+        dict[StrategyName,
              Annotated[float, Field(ge=0)]],
         Field(description="Training-stream temperature of some strategies (e.g. {explorative: 2.0}: explore "
               "hotter); the others use icrl_eval.temperature. Test predictions keep one temperature for every "

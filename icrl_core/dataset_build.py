@@ -82,7 +82,7 @@ def resolve_sources(data: DataConfig, seed: int) -> list[ResolvedSource]:
             raise UserError(f"data.sources: '{source.name}' is not a synthetic task; synthetic tasks: "
                             f"{', '.join(SYNTHETIC_TASKS)} (use kind: task for the classification datasets)")
         assert isinstance(source, (TaskSource, SyntheticSource))
-        task = load_task(source.name, data.tasks_dir, seed=seed)
+        task = load_task(source.name, data.tasks_dir, seed=seed, prompt=data.prompt_of(source.name))
         resolved.append(ResolvedSource(f"{source.kind}:{source.name}", source.weight, task=task,
                                        pools={"train": task.train, "val": task.test}))
     names = [s.name for s in resolved]

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from icrl_core.chat import Conversation, Tokens
 from icrl_core.errors import EpisodeFileError, EpisodeTooLongError
-from icrl_core.io import atomic_write_text
+from icrl_core.io import atomic_write_text, read_user_bytes
 from icrl_core.prompting import PromptTemplate, template_for
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
@@ -122,10 +122,7 @@ def parse_episode_lines(path: str, lines: Iterable[bytes]) -> tuple[list[Episode
 def read_episodes(path: Path | str) -> list[Episode]:
     """Read and validate a whole episodes file; raise `EpisodeFileError` listing every bad line."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise EpisodeFileError(str(path), [f"{path}: file not found"]) from None
+    raw = read_user_bytes(path, "episodes JSONL file")
     episodes, problems = parse_episode_lines(str(path), raw.splitlines())
     if problems:
         raise EpisodeFileError(str(path), problems)

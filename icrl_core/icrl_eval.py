@@ -94,7 +94,8 @@ class ZeroShot(Strategy):
 
 @dataclass
 class Naive(Strategy):
-    """All past episodes, the most recent `max_examples` (the paper's random_biased_end with p_keep=1).
+    """The paper's random_biased_end: keep each past episode with probability p_keep (one binomial draw per
+    episode; p_keep 1 keeps all, the paper's naive runs), then the most recent `max_examples` of the kept.
 
     `evict` > 1 is a protocol variant for speed: once the context is full, the oldest `evict` episodes leave at
     once, and the context grows again for evict - 1 steps (it holds between max_examples - evict + 1 and
@@ -102,11 +103,15 @@ class Naive(Strategy):
     key/value survives past the system prompt; a block eviction keeps the context a growing prefix between
     evictions, which the prefix cache reuses. Stateless: the start is a function of the number of kept episodes."""
 
+    p_keep: float = 1.0
     only_positive: bool = False
     evict: int = 1
 
     def select(self, history, step):
         kept = [i for i, r in enumerate(history) if not self.only_positive or _usable(r, self.supervised)]
+        if self.p_keep < 1:
+            keep = np.random.default_rng(self.seed + step).binomial(1, self.p_keep, size=len(kept))
+            kept = [i for i, flag in zip(kept, keep) if flag]
         if not self.max_examples:
             return []
         overflow = len(kept) - self.max_examples
@@ -118,7 +123,8 @@ class Naive(Strategy):
 
 @dataclass
 class NaivePlus(Naive):
-    """Naive over positive episodes only (use a higher temperature to explore)."""
+    """The paper's random_biased_end_only_positive: naive over positive episodes only (use a higher temperature
+    to explore)."""
 
     only_positive: bool = True
 
@@ -210,7 +216,8 @@ def is_supervised(cfg: EvalConfig) -> bool:
     """Supervised ICL (gold labels, no feedback, no training predictions): strategy 'icl' or icrl=false."""
     if cfg.strategy == "icl":
         if cfg.icrl is True:
-            raise UserError("icrl_eval.strategy=icl is supervised ICL; it cannot run with icrl_eval.icrl=true")
+            raise UserError("icrl_eval.strategy=icl (the paper's random_unbiased) is supervised ICL; it cannot run "
+                        "with icrl_eval.icrl=true")
         return True
     return cfg.icrl is False
 
@@ -218,14 +225,14 @@ def is_supervised(cfg: EvalConfig) -> bool:
 def make_strategy(cfg: EvalConfig, max_examples: int) -> Strategy:
     supervised = is_supervised(cfg)
     common = dict(max_examples=max_examples, seed=cfg.seed, supervised=supervised)
-    if cfg.strategy == "explorative":
-        return Explorative(**common, p_keep=cfg.p_keep)
+    if cfg.strategy == "zero_shot":
+        return ZeroShot(**common)
     if cfg.strategy == "approximate":
-        return Approximate(**common, p_keep=cfg.p_keep, max_contexts=cfg.max_contexts,
+        return Approximate(**common, p_keep=cfg.p_keep_of("approximate"), max_contexts=cfg.max_contexts,
                            sampling=cfg.approximate_sampling)
     if cfg.strategy in ("naive", "naive_plus"):
-        return STRATEGIES[cfg.strategy](**common, evict=cfg.evict_episodes)
-    return STRATEGIES[cfg.strategy](**common)
+        return STRATEGIES[cfg.strategy](**common, p_keep=cfg.p_keep_of(cfg.strategy), evict=cfg.evict_episodes)
+    return STRATEGIES[cfg.strategy](**common, p_keep=cfg.p_keep_of(cfg.strategy))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from icrl_core.errors import UserError
+
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -31,8 +33,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def read_user_bytes(path: Path | str, what: str = "file", hint: str = "",
+                    error: type[UserError] = UserError) -> bytes:
+    """The bytes of a file the user named (or configured). Any reason it cannot be read (missing, a directory,
+    no permission) is an `error` (a UserError: exit code 2) that names the path; `what` says what the file
+    should be, `hint` how to get it."""
+    path = Path(path)
+    hint = f" ({hint})" if hint else ""
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        raise error(f"{path}: {what} not found{hint}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, expected the {what}{hint}") from None
+    except PermissionError:
+        raise error(f"{path}: no permission to read the {what}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+
+
+def read_user_text(path: Path | str, what: str = "file", hint: str = "",
+                   error: type[UserError] = UserError) -> str:
+    """`read_user_bytes` decoded as UTF-8; text in another encoding is an `error` naming the byte."""
+    raw = read_user_bytes(path, what, hint, error)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: the {what} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory; give a file path to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

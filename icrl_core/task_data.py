@@ -1,25 +1,34 @@
-"""Classification tasks: the paper's five datasets (read from a folder in the icrl-tasks format), their
-`_unsemantic` variants, and synthetic tasks generated in code from a seed.
+"""Classification tasks: the paper's five datasets and any user's task folder (read from a folder in the
+icrl-tasks format), their `_unsemantic` variants, and synthetic tasks generated in code from a seed.
 
 A task folder holds `train.jsonl` and `test.jsonl` (one {"text", "label"} per line, the dataset's own label
-names), `labels.txt` and `label_map.tsv` (label -> the label text the paper's prompts use). Answers are always
-written with the paper's label text. No dataset text lives in this repository.
+names) and `labels.txt` (one label per line, every label the splits use). Optional: `label_map.tsv` (label -> the
+label text prompts use, e.g. the paper's; without it labels are written as they are) and `prompt.yaml` (the task's
+prompt prefixes: query_prefix, answer_prefix, task_description; data.task_prompts overrides them). A task is named
+by a built-in name, a folder name under data.tasks_dir, or a path to a folder (docs/TASKS.md). No dataset text
+lives in this repository.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from icrl_core.errors import UserError
+from icrl_core.io import read_user_text
 from icrl_core.prompting import PromptTemplate, register_template, template_for
 
 REAL_TASKS = ("banking77", "clinc150", "trec_coarse", "trec_fine", "nlu")
 UNSEMANTIC = "_unsemantic"
+TASK_FILES = ("train.jsonl", "test.jsonl", "labels.txt")  # what makes a folder a task
+PROMPT_FILE = "prompt.yaml"
+PROMPT_KEYS = ("query_prefix", "answer_prefix", "task_description")  # what a task's prompt may set
 
 
 @dataclass(frozen=True)
@@ -54,48 +63,134 @@ def _shuffled_prefix(rows: list[Example], size: int, seed: int) -> list[Example]
 
 def _read_label_map(folder: Path) -> dict[str, str]:
     path = folder / "label_map.tsv"
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            rows = list(csv.DictReader(handle, delimiter="\t"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing (each task folder needs label_map.tsv)") from None
+    text = read_user_text(path, "label map", "each task folder needs label_map.tsv")
+    rows = list(csv.DictReader(io.StringIO(text, newline=""), delimiter="\t"))
     if not rows or not {"label", "paper_label"} <= set(rows[0]):
         raise UserError(f"{path}: expected a TSV with columns label, paper_label, paper_id")
     rows.sort(key=lambda r: int(r.get("paper_id") or 0))
     return {r["label"]: r["paper_label"] for r in rows}
 
 
+def _read_labels(folder: Path) -> list[str]:
+    path = folder / "labels.txt"
+    labels = [line.strip() for line in read_user_text(path, "label list", "one label per line").splitlines()]
+    labels = [label for label in labels if label]
+    if len(labels) < 2:
+        raise UserError(f"{path}: a task needs at least 2 labels, one per line (found {len(labels)})")
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise UserError(f"{path}: label(s) listed twice: {', '.join(repeated)}")
+    return labels
+
+
 def _read_split(path: Path, label_map: dict[str, str]) -> list[Example]:
+    """One split: every row a JSON object with a non-empty "text" and a "label" among `label_map`'s keys."""
     examples = []
-    try:
-        handle = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing") from None
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                label = label_map[row["label"]]
-                examples.append(Example(text=row["text"], label=label))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise UserError(f"{path}:{number}: bad row ({type(exc).__name__}: {exc})") from None
+    for number, line in enumerate(read_user_text(path, "task split").split("\n"), start=1):  # JSONL: \n only
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{number}: not a JSON line ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise UserError(f"{path}:{number}: expected an object with a non-empty \"text\" and a \"label\"")
+        label = row.get("label")
+        if not isinstance(label, str) or label not in label_map:
+            raise UserError(f"{path}:{number}: label {json.dumps(label)} is not in labels.txt")
+        examples.append(Example(text=row["text"], label=label_map[label]))
+    if not examples:
+        raise UserError(f"{path}: no examples")
     return examples
 
 
-def load_task_from_dir(name: str, tasks_dir: Path | str) -> ClassificationTask:
-    """A real task (or its `_unsemantic` variant) from `tasks_dir/<name>/`."""
-    base = name.removesuffix(UNSEMANTIC)
-    folder = Path(tasks_dir) / base
+def _read_prompt(folder: Path) -> dict[str, str]:
+    """The task's prompt prefixes from its optional prompt.yaml."""
+    import yaml
+
+    path = folder / PROMPT_FILE
+    if not path.exists():
+        return {}
+    try:
+        fields = yaml.safe_load(read_user_text(path, "prompt file")) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(fields, dict) or not set(fields) <= set(PROMPT_KEYS) or not all(
+            isinstance(v, str) for v in fields.values()):
+        raise UserError(f"{path}: expected text values for some of {', '.join(PROMPT_KEYS)}")
+    return fields
+
+
+def is_task_path(name: str) -> bool:
+    """A task given as a path (./mine, /data/mine, ~/mine) rather than by name."""
+    return os.sep in name or name.startswith((".", "~"))
+
+
+def task_label(name: str) -> str:
+    """The name a task is known by (run names, episodes' task_type): a path's folder name, else the name."""
+    return Path(name).expanduser().resolve().name if is_task_path(name) else name  # resolved: `.` has a name
+
+
+def task_folder(name: str, tasks_dir: Path | str | None) -> Path | None:
+    """The folder of a task read from disk: `name` itself when it is a path, else tasks_dir/<name without
+    _unsemantic> when that folder exists; None for synthetic tasks and names with no folder."""
+    if name in SYNTHETIC_TASKS:
+        return None
+    if is_task_path(name):
+        return Path(name).expanduser()
+    if tasks_dir is not None and (Path(tasks_dir) / name.removesuffix(UNSEMANTIC)).is_dir():
+        return Path(tasks_dir) / name.removesuffix(UNSEMANTIC)
+    return None
+
+
+def task_template(name: str, folder: Path | None, prompt: dict[str, str | None] | None = None) -> PromptTemplate:
+    """The prompt template of a task: the built-in one of its name (or the generic one), then the folder's
+    prompt.yaml, then `prompt` (data.task_prompts); registered under the task's name so episodes of the task
+    render with it."""
+    base = task_label(name).removesuffix(UNSEMANTIC)
+    fields = {**(_read_prompt(folder) if folder is not None else {}),
+              **{k: v for k, v in (prompt or {}).items() if v is not None}}
+    template = template_for(base)
+    if fields:
+        template = template.model_copy(update=fields)
+        register_template(base, template)
+    return template
+
+
+def load_task_folder(folder: Path | str, name: str | None = None,
+                     prompt: dict[str, str | None] | None = None) -> ClassificationTask:
+    """A task from its folder (the module docstring says what it holds); `name` defaults to the folder's name."""
+    folder = Path(folder)
+    name = name or task_label(str(folder))
     if not folder.is_dir():
-        raise UserError(f"task '{base}' not found: {folder} does not exist (set data.tasks_dir to the folder "
-                        "holding the task folders)")
-    label_map = _read_label_map(folder)
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise UserError(f"task '{name}': {folder} {what} (a task folder holds {', '.join(TASK_FILES)})")
+    labels = _read_labels(folder)
+    if (folder / "label_map.tsv").exists():  # the built-in tasks: the paper's label text, in the paper's order
+        label_map = _read_label_map(folder)
+        unknown = sorted(set(label_map) - set(labels))
+        if unknown:
+            raise UserError(f"{folder / 'label_map.tsv'}: label(s) not in labels.txt: {', '.join(unknown)}")
+    else:
+        label_map = {label: label for label in labels}
     train = _read_split(folder / "train.jsonl", label_map)
     test = _read_split(folder / "test.jsonl", label_map)
-    task = ClassificationTask(base, list(label_map.values()), train, test, template_for(base))
+    base = task_label(name).removesuffix(UNSEMANTIC)
+    task = ClassificationTask(base, list(label_map.values()), train, test, task_template(base, folder, prompt))
     return make_unsemantic(task) if name.endswith(UNSEMANTIC) else task
+
+
+def load_task_from_dir(name: str, tasks_dir: Path | str,
+                       prompt: dict[str, str | None] | None = None) -> ClassificationTask:
+    """A task folder (or its `_unsemantic` variant): `name` is a path, or a folder name under `tasks_dir`."""
+    folder = task_folder(name, tasks_dir)
+    if folder is None:
+        base = name.removesuffix(UNSEMANTIC)
+        raise UserError(f"task '{base}' not found: {Path(tasks_dir) / base} does not exist (set data.tasks_dir to "
+                        "the folder holding the task folders, or give the task folder's path)")
+    if is_task_path(name):
+        return load_task_folder(folder, prompt=prompt)
+    return load_task_folder(folder, name, prompt)
 
 
 def make_unsemantic(task: ClassificationTask, seed: int = 0) -> ClassificationTask:
@@ -169,17 +264,43 @@ SYNTHETIC_TASKS: dict[str, Callable[..., ClassificationTask]] = {
 }
 
 
-def available_tasks() -> list[str]:
-    return list(REAL_TASKS) + [t + UNSEMANTIC for t in REAL_TASKS] + list(SYNTHETIC_TASKS)
+def folder_tasks(tasks_dir: Path | str | None) -> list[str]:
+    """Names of the task folders under `tasks_dir` (the built-in ones and any a user added)."""
+    if tasks_dir is None or not Path(tasks_dir).is_dir():
+        return []
+    return sorted(child.name for child in Path(tasks_dir).iterdir()
+                  if child.is_dir() and all((child / f).is_file() for f in TASK_FILES))
 
 
-def load_task(name: str, tasks_dir: Path | str, seed: int = 0) -> ClassificationTask:
-    """Any task by name: synthetic ones are generated from `seed`, real ones read from `tasks_dir`."""
+def available_tasks(tasks_dir: Path | str | None = None) -> list[str]:
+    """Every task name: the paper's five, their _unsemantic variants, other task folders under `tasks_dir`,
+    the synthetic tasks."""
+    extra = [t for t in folder_tasks(tasks_dir) if t not in REAL_TASKS and t not in SYNTHETIC_TASKS]
+    return list(REAL_TASKS) + [t + UNSEMANTIC for t in REAL_TASKS] + extra + list(SYNTHETIC_TASKS)
+
+
+def load_task(name: str, tasks_dir: Path | str, seed: int = 0,
+              prompt: dict[str, str | None] | None = None) -> ClassificationTask:
+    """Any task: synthetic ones are generated from `seed`; a path or a folder under `tasks_dir` is read from
+    disk (`prompt`: prompt prefixes over the task's own)."""
     if name in SYNTHETIC_TASKS:
-        return SYNTHETIC_TASKS[name](seed=seed)
-    if name.removesuffix(UNSEMANTIC) in REAL_TASKS:
-        return load_task_from_dir(name, tasks_dir)
-    raise UserError(f"unknown task '{name}'; available: {', '.join(available_tasks())}")
+        task = SYNTHETIC_TASKS[name](seed=seed)
+        if prompt:
+            task.template = task_template(name, None, prompt)
+        return task
+    if is_task_path(name) or name.removesuffix(UNSEMANTIC) in REAL_TASKS or task_folder(name, tasks_dir):
+        return load_task_from_dir(name, tasks_dir, prompt)
+    raise UserError(f"unknown task '{name}'; available: {', '.join(available_tasks(tasks_dir))}, or the path of a "
+                    f"task folder ({', '.join(TASK_FILES)}; docs/TASKS.md)")
+
+
+def register_task_templates(data) -> None:
+    """Register the prompt template of every task source in `data` (a DataConfig) whose prompt differs from
+    the built-in one (a folder's prompt.yaml, data.task_prompts), without reading its splits: a process that
+    renders episodes of such a task (tokenize, PPO, a Ray worker) writes them as the dataset build did."""
+    for source in data.sources:
+        if getattr(source, "kind", None) in ("task", "synthetic"):
+            task_template(source.name, task_folder(source.name, data.tasks_dir), data.prompt_of(source.name))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,14 +424,19 @@ def load_task_from_disk(name: str, path: Path | str, tasks_dir: Path | str | Non
 
 
 def load_task_from_source(name: str, source: str, tasks_dir: Path | str, seed: int = 0,
-                          disk_path: Path | str | None = None) -> ClassificationTask:
+                          disk_path: Path | str | None = None,
+                          prompt: dict[str, str | None] | None = None) -> ClassificationTask:
     """`load_task` with a choice of where real tasks come from: 'dir' (tasks_dir), 'hub' or 'disk'."""
-    if name in SYNTHETIC_TASKS or source == "dir":
-        return load_task(name, tasks_dir, seed=seed)
+    if name in SYNTHETIC_TASKS or source == "dir" or is_task_path(name):
+        return load_task(name, tasks_dir, seed=seed, prompt=prompt)
     if source == "hub":
-        return load_task_from_hub(name, tasks_dir)
-    if source == "disk":
+        task = load_task_from_hub(name, tasks_dir)
+    elif source == "disk":
         if disk_path is None:
             raise UserError("source=disk needs a disk_path (a folder written by DatasetDict.save_to_disk)")
-        return load_task_from_disk(name, disk_path, tasks_dir)
-    raise UserError(f"unknown task source '{source}' (dir, hub, disk)")
+        task = load_task_from_disk(name, disk_path, tasks_dir)
+    else:
+        raise UserError(f"unknown task source '{source}' (dir, hub, disk)")
+    if prompt:
+        task.template = task_template(name, None, prompt)
+    return task

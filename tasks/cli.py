@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import click
 import typer
+from typer._click import exceptions as typer_click
 
 from icrl_core.errors import UserError
 from tasks.env import apply_defaults
@@ -30,7 +31,8 @@ model_app = typer.Typer(help="Load, cache and query models.", no_args_is_help=Tr
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
 
-from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config  # noqa: E402
+from tasks.cli_common import (INPUT_FILE, INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt,  # noqa: E402
+                              console, resolve_config)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -38,7 +40,8 @@ from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config  # noqa:
 
 @app.command("validate-episodes")
 def validate_episodes(
-    file: Annotated[Path, typer.Argument(help="ICRL episodes JSONL file to check.", show_default=False)],
+    file: Annotated[Path, typer.Argument(help="ICRL episodes JSONL file to check.", show_default=False,
+                                         **INPUT_FILE)],
     max_tokens: Annotated[Optional[int], typer.Option(help="Also render every episode with the model's tokenizer "
                                                       "and check it fits this many tokens (shaving exemplars "
                                                       "from the front if needed).", min=32)] = None,
@@ -71,27 +74,37 @@ def validate_episodes(
 
 @app.command("tasks")
 def list_tasks(
+    names: Annotated[Optional[list[str]], typer.Argument(
+        help="Tasks to show: names or task folder paths. Default: every task (built-in, the folders of "
+        "data.tasks_dir, the data.sources and icrl_eval.task given as paths).", show_default=False)] = None,
     params: ParamsOpt = None,
     overrides: SetOpt = None,
 ) -> None:
-    """List the classification tasks (real, unsemantic, synthetic) with their label and example counts, and the
-    code-task family (Python functions with hidden tests) per template, level and split."""
+    """List the classification tasks (real, unsemantic, your task folders, synthetic) with their label and example
+    counts and prompt prefixes, and the code-task family (Python functions with hidden tests) per template, level
+    and split. Tasks named on the command line: only those, and one that cannot be read is an error."""
     from rich.table import Table
 
-    from icrl_core.task_data import available_tasks, load_task
+    from icrl_core.task_data import available_tasks, is_task_path, load_task
 
     cfg = resolve_config(params, overrides)
     table = Table("task", "labels", "train", "test", "query prefix", "answer prefix")
-    for name in available_tasks():
+    listed = names or available_tasks(cfg.data.tasks_dir) + [
+        name for name in dict.fromkeys([*(s.name for s in cfg.data.sources if s.kind == "task"), cfg.icrl_eval.task])
+        if is_task_path(name)]
+    for name in listed:
         try:
-            task = load_task(name, cfg.data.tasks_dir, seed=cfg.seed)
+            task = load_task(name, cfg.data.tasks_dir, seed=cfg.seed, prompt=cfg.data.prompt_of(name))
         except UserError as exc:
+            if names:
+                raise
             table.add_row(name, "-", "-", "-", str(exc)[:40], "")
             continue
-        table.add_row(name, str(len(task.labels)), str(len(task.train)), str(len(task.test)),
-                      task.template.query_prefix, task.template.answer_prefix)
+        table.add_row(task.name if is_task_path(name) else name, str(len(task.labels)), str(len(task.train)),
+                      str(len(task.test)), task.template.query_prefix, task.template.answer_prefix)
     console().print(table)
-    console().print(_code_task_table(cfg.code.task_seed, cfg.code.variants))
+    if not names:
+        console().print(_code_task_table(cfg.code.task_seed, cfg.code.variants))
 
 
 def _code_task_table(seed: int, variants: int):
@@ -136,7 +149,8 @@ def config_show(
 
 @config_app.command("docs")
 def config_docs(
-    output: Annotated[Optional[Path], typer.Option(help="Write the Markdown here instead of stdout.")] = None,
+    output: Annotated[Optional[Path], typer.Option(help="Write the Markdown here instead of stdout.",
+                                                   **OUTPUT_FILE)] = None,
 ) -> None:
     """Print every config key with its default and description (Markdown), generated from the schema."""
     from icrl_core.io import atomic_write_text
@@ -171,12 +185,12 @@ def model_warm(
 @model_app.command("interpolate")
 def model_interpolate(
     adapter: Annotated[Path, typer.Argument(help="Trained adapter folder (adapter.safetensors + adapter.json).",
-                                            show_default=False)],
+                                            show_default=False, **INPUT_FOLDER)],
     scale: Annotated[float, typer.Option(help="Keep this fraction of the change training made: the weights "
                                          "become base + scale * (trained - base) (WiSE-FT). 0 = the base model, "
                                          "1 = the adapter unchanged.", min=0.0, max=1.0)],
     output: Annotated[Path, typer.Option(help="Folder for the interpolated adapter (written atomically).",
-                                         show_default=False)],
+                                         show_default=False, **OUTPUT_FOLDER)],
     spec: Annotated[str, typer.Option(help="Base model spec the adapter was trained on.")] = "smollm2-135m",
 ) -> None:
     """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
@@ -239,19 +253,29 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+# typer >= 0.29 vendors its own copy of click (typer._click): its exceptions are not click's, so both are caught.
+_EXIT = (click.exceptions.Exit, typer.Exit)
+_ABORT = (click.exceptions.Abort, typer.Abort)
+_USAGE = (click.ClickException, typer_click.ClickException)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; every user error ends as one message on stderr and exit code 2 (a usage error of the
+    parser, a `UserError` of a command), Ctrl-C as exit 130."""
     from tasks.cli_common import expand_at_files
 
     apply_defaults()
     try:
         result = app(args=expand_at_files(sys.argv[1:] if argv is None else argv), prog_name="icrl",
                      standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except _EXIT as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except (*_ABORT, KeyboardInterrupt):
         console(stderr=True).print("aborted")
         sys.exit(130)
-    except click.ClickException as exc:
+    except _USAGE as exc:
+        # typer checks values with pydantic, whose messages start with "Value error, "
+        exc.message = exc.message.removeprefix("Value error, ").replace(": Value error, ", ": ")
         exc.show()
         sys.exit(exc.exit_code)
     except UserError as exc:

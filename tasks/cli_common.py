@@ -7,6 +7,13 @@ import typer
 
 DEFAULT_PARAMS = Path("params.yaml")
 
+# What a path option or argument names, checked when the command line is parsed (a bad one exits 2 naming it):
+# `typer.Option(help=..., **INPUT_FOLDER)`. Files a command reads are read with icrl_core.io.read_user_text.
+INPUT_FILE = {"exists": True, "dir_okay": False}
+INPUT_FOLDER = {"exists": True, "file_okay": False}
+OUTPUT_FILE = {"dir_okay": False}
+OUTPUT_FOLDER = {"file_okay": False}
+
 ParamsOpt = Annotated[
     Optional[list[Path]],
     typer.Option("--config", "-c", "--params", "-p", help="YAML config file of sections and/or dotted keys; repeat "

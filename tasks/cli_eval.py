@@ -9,10 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config
+from icrl_core.config import PAPER_STRATEGIES, STRATEGY_NAMES
+from tasks.cli_common import (INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt, console,
+                              resolve_config)
 
-Strategy = Enum("Strategy", {s: s for s in ("zero_shot", "naive", "naive_plus", "explorative", "approximate",
-                                             "icl")}, type=str)
+Strategy = Enum("Strategy", {s: s for s in (*STRATEGY_NAMES, *PAPER_STRATEGIES)}, type=str)  # the config maps the
+# paper's names (icrl_core.config.PAPER_STRATEGIES) to the project's
 Sampling = Enum("Sampling", {s: s for s in ("uniform", "likelihood")}, type=str)
 Source = Enum("Source", {s: s for s in ("dir", "hub", "disk")}, type=str)
 Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16", "auto")}, type=str)
@@ -21,7 +23,7 @@ Dtype = Enum("Dtype", {s: s for s in ("float32", "bfloat16", "auto")}, type=str)
 def _flag_overrides(**flags) -> dict:
     """Nested config tree from the flags that were given (None = not given)."""
     keys = {"model": "model.spec", "dtype": "model.dtype", "tracking": "tracking.enabled",
-            "tasks_dir": "data.tasks_dir"}
+            "tasks_dir": "data.tasks_dir", "adapter": "model.init_adapter"}
     tree: dict = {}
     for name, value in flags.items():
         if value is None:
@@ -48,9 +50,11 @@ def register(app: typer.Typer) -> None:
         test_temperature: Annotated[Optional[float], typer.Option(help="Temperature of the test predictions only "
                                                                   "(0 = greedy). Default: --temperature.", min=0,
                                                                   show_default=False)] = None,
-        p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode (explorative, "
-                                                        "approximate; the paper's --context_p_keep).",
-                                                        show_default=False)] = None,
+        p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode, for the "
+                                                        "strategy that runs (the paper's --context_p_keep). "
+                                                        "Default: 0.1 for explorative and approximate, 1.0 for "
+                                                        "naive, naive_plus and icl (icrl_eval.p_keep).",
+                                                        min=0, max=1, show_default=False)] = None,
         max_examples: Annotated[Optional[int], typer.Option(help="Cap on in-context episodes (the paper's "
                                                             "--max_context_examples). Default: computed from the "
                                                             "context window.", min=0, show_default=False)] = None,
@@ -91,11 +95,16 @@ def register(app: typer.Typer) -> None:
                                                          "(data.tasks_dir), hub (Hugging Face), disk "
                                                          "(--disk-path).", show_default=False)] = None,
         disk_path: Annotated[Optional[Path], typer.Option(help="With --source disk: a DatasetDict saved with "
-                                                          "save_to_disk.", show_default=False)] = None,
+                                                          "save_to_disk.", show_default=False,
+                                                          **INPUT_FOLDER)] = None,
         tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
-                                                          show_default=False)] = None,
+                                                          show_default=False, **INPUT_FOLDER)] = None,
         model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, "
                                                      "a folder or a HF id.", show_default=False)] = None,
+        adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to evaluate on the model "
+                                                        "(model.init_adapter), e.g. artifacts/ppo/adapter. "
+                                                        "Default: the base model.", show_default=False,
+                                                        **INPUT_FOLDER)] = None,
         dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype: float32 is exact; bfloat16 is faster only "
                                                        "on CPUs with AMX/AVX512-BF16; auto picks.",
                                                        show_default=False)] = None,
@@ -109,7 +118,7 @@ def register(app: typer.Typer) -> None:
                                                         "(default <task>-<strategy>-seed<seed>).",
                                                         show_default=False)] = None,
         output_dir: Annotated[Optional[Path], typer.Option(help="Parent folder of run folders.",
-                                                           show_default=False)] = None,
+                                                           show_default=False, **OUTPUT_FOLDER)] = None,
         tracking: Annotated[Optional[bool], typer.Option("--tracking/--no-tracking", help="Log to MLflow "
                                                          "(tracking.enabled).", show_default=False)] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue the run folder of a killed run from its "
@@ -125,12 +134,14 @@ def register(app: typer.Typer) -> None:
         from tasks.icrl_eval import evaluate
 
         extra = _flag_overrides(
-            task=task, strategy=strategy, temperature=temperature, test_temperature=test_temperature, p_keep=p_keep,
+            task=task, strategy=strategy, temperature=temperature, test_temperature=test_temperature,
+            p_keep=None if p_keep is None else {name: p_keep for name in STRATEGY_NAMES if name != "zero_shot"},
             max_examples=max_examples, context_window=context_window, icrl=icrl, omit_feedback=omit_feedback,
             flip_feedback_prob=flip_feedback_prob, max_contexts=max_contexts,
             approximate_sampling=approximate_sampling, train_k=train_k, test_every=test_every, test_k=test_k,
             seed=seed, training_seed=training_seed, test_seed=test_seed, debug_k=debug_k, source=source,
-            disk_path=disk_path, tasks_dir=tasks_dir, model=model, dtype=dtype, reuse_cache=reuse_cache,
+            disk_path=disk_path, tasks_dir=tasks_dir, model=model, adapter=adapter, dtype=dtype,
+            reuse_cache=reuse_cache,
             threads=threads, run_name=run_name, output_dir=output_dir, tracking=tracking)
         config = resolve_config(params, overrides, extra=extra)
         out = console()
@@ -160,7 +171,7 @@ def register(app: typer.Typer) -> None:
                                                               help="ICRL episodes without the feedback turn.",
                                                               show_default=False)] = None,
         tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
-                                                          show_default=False)] = None,
+                                                          show_default=False, **INPUT_FOLDER)] = None,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
     ) -> None:
@@ -173,8 +184,8 @@ def register(app: typer.Typer) -> None:
         extra = _flag_overrides(task=task, model=model, icrl=icrl, omit_feedback=omit_feedback, tasks_dir=tasks_dir)
         config = resolve_config(params, overrides, extra=extra)
         cfg = config.icrl_eval
+        task_obj = load_eval_task(config)  # before the tokenizer: a bad task fails fast
         tokens, model_window = load_tokens_and_window(config.model.spec, config.model.cache_dir)
-        task_obj = load_eval_task(config)
         size = window or cfg.context_window or model_window
         n = max_context_examples(task_obj, tokens, show_for(cfg), size)
         mode = ("supervised ICL" if is_supervised(cfg) else
@@ -185,7 +196,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("count-tokens")
     def count_tokens_command(
-        run_dirs: Annotated[list[Path], typer.Argument(help="Run folders of `icrl eval`.", show_default=False)],
+        run_dirs: Annotated[list[Path], typer.Argument(help="Run folders of `icrl eval`.", show_default=False,
+                                                       **INPUT_FOLDER)],
     ) -> None:
         """Tokens each run fed through the model (with key/value reuse) and what recomputing every prompt would
         have fed (the paper's run_count_tokens.py counts the same thing)."""
@@ -202,7 +214,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("inspect")
     def inspect_command(
-        run_dir: Annotated[Path, typer.Argument(help="Run folder of `icrl eval`.", show_default=False)],
+        run_dir: Annotated[Path, typer.Argument(help="Run folder of `icrl eval`.", show_default=False,
+                                                **INPUT_FOLDER)],
         window: Annotated[int, typer.Option(min=1, help="Training steps per row of the table.")] = 250,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of tables.")] = False,
     ) -> None:
@@ -251,18 +264,18 @@ def register(app: typer.Typer) -> None:
         queries: Annotated[int, typer.Option(help="Test queries whose gold label is not --target.", min=1)] = 40,
         adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to load on the model "
                                                         "(model.init_adapter). Default: the base model.",
-                                                        show_default=False)] = None,
+                                                        show_default=False, **INPUT_FOLDER)] = None,
         seed: Annotated[Optional[int], typer.Option(help="Seed of the query and past-attempt choice "
                                                     "(icrl_eval.seed).", show_default=False)] = None,
         tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
-                                                          show_default=False)] = None,
+                                                          show_default=False, **INPUT_FOLDER)] = None,
         model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec).", show_default=False)] = None,
         dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype (model.dtype).",
                                                        show_default=False)] = None,
         threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (0 = default).", min=0,
                                                        show_default=False)] = None,
         output: Annotated[Optional[Path], typer.Option(help="JSON file for the result (written atomically).",
-                                                       show_default=False)] = None,
+                                                       show_default=False, **OUTPUT_FILE)] = None,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
@@ -277,10 +290,8 @@ def register(app: typer.Typer) -> None:
 
         from tasks.icrl_eval import probe_feedback
 
-        extra = _flag_overrides(task=task, seed=seed, tasks_dir=tasks_dir, model=model, dtype=dtype,
-                                threads=threads)
-        if adapter is not None:
-            extra.setdefault("model", {})["init_adapter"] = str(adapter)
+        extra = _flag_overrides(task=task, seed=seed, tasks_dir=tasks_dir, model=model, adapter=adapter,
+                                dtype=dtype, threads=threads)
         config = resolve_config(params, overrides, extra=extra)
         result = probe_feedback(config, target, attempts or [1, 4], queries, output=output, progress=progress)
         table = Table("context", f"p({target})", "p(gold)")
@@ -296,8 +307,8 @@ def register(app: typer.Typer) -> None:
     @app.command("plot")
     def plot_command(
         run_dirs: Annotated[list[Path], typer.Argument(help="Run folders of `icrl eval` to compare.",
-                                                       show_default=False)],
-        output: Annotated[Path, typer.Option(help="PNG file to write.")] = Path("learning_curves.png"),
+                                                       show_default=False, **INPUT_FOLDER)],
+        output: Annotated[Path, typer.Option(help="PNG file to write.", **OUTPUT_FILE)] = Path("learning_curves.png"),
         title: Annotated[Optional[str], typer.Option(help="Figure title.", show_default=False)] = None,
         label: Annotated[Optional[list[str]], typer.Option(help="Legend label per run, in order (repeatable). "
                                                            "Default: each run's strategy.",

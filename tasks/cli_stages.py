@@ -7,18 +7,19 @@ from typing import Annotated, Optional
 
 import typer
 
-from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config
+from tasks.cli_common import INPUT_FILE, INPUT_FOLDER, OUTPUT_FILE, ParamsOpt, SetOpt, console, resolve_config
 
 
 def run_stage(name: str, config) -> dict:
     """Run one stage of dvc.yaml (tasks/stages.py) in this process: `run(config)` of tasks/NAME.py; return its
     final metrics (also written to metrics/<name>.json)."""
-    from icrl_core.errors import UserError
-    from tasks.stages import load_stages
+    from tasks.stages import check_stage_names, load_stages
 
+    from icrl_core.task_data import register_task_templates
+
+    check_stage_names([name])
     stages = load_stages()
-    if name not in stages:
-        raise UserError(f"unknown stage '{name}'; the stages of dvc.yaml are {', '.join(stages)}")
+    register_task_templates(config.data)  # episodes of a task with its own prompt render with it
     module = importlib.import_module(stages[name].module)
     return module.run(config)
 
@@ -35,6 +36,9 @@ def register(app: typer.Typer) -> None:
         metrics/NAME.json, logs to MLflow, and resumes from its last checkpoint if it was interrupted."""
         import json
 
+        from tasks.stages import check_stage_names
+
+        check_stage_names([name])  # before reading the config: a typo fails fast
         config = resolve_config(params, overrides)
         metrics = run_stage(name, config)
         console().print_json(json.dumps(metrics, default=str))
@@ -43,7 +47,7 @@ def register(app: typer.Typer) -> None:
     def adapt(
         episodes: Annotated[Optional[Path], typer.Argument(
             help="Episodes JSONL holding the request(s). Default: adapt.requests_file, else "
-            "data.output_dir/val.jsonl.", show_default=False)] = None,
+            "data.output_dir/val.jsonl.", show_default=False, **INPUT_FILE)] = None,
         episode_id: Annotated[Optional[str], typer.Option(
             "--episode-id", help="Adapt to the episode with this id (default: the first --count episodes).",
             show_default=False)] = None,
@@ -52,9 +56,9 @@ def register(app: typer.Typer) -> None:
         adapter: Annotated[Optional[Path], typer.Option(
             help="Adapter folder to start from (never modified). Default: adapt.adapter, else "
             "ppo.output_dir/adapter if it exists, else model.init_adapter, else a fresh LoRA.",
-            show_default=False)] = None,
+            show_default=False, **INPUT_FOLDER)] = None,
         output: Annotated[Optional[Path], typer.Option(help="Also write the results as JSON to this file.",
-                                                       show_default=False)] = None,
+                                                       show_default=False, **OUTPUT_FILE)] = None,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
     ) -> None:

@@ -99,7 +99,7 @@ def _feedback_probe_settings(config: PipelineConfig) -> dict | None:
         return None
     task = config.icrl_eval
     return {"task": [task.task, task.task_seed if task.task_seed is not None else config.seed, task.source,
-                     str(task.disk_path), str(Path(config.data.tasks_dir).resolve())],
+                     str(task.disk_path), _task_identity(config)],
             "seed": task.seed, "target": cfg.feedback_probe_target, "attempts": cfg.feedback_probe_attempts,
             "queries": cfg.feedback_probe_queries}
 
@@ -333,16 +333,28 @@ def _model_identity(config: PipelineConfig) -> dict:
     return identity
 
 
+def _task_identity(config: PipelineConfig) -> dict:
+    """What icrl_eval.task's data and prompt are: the data folder, the task folder's files by their bytes (a task
+    folder edited in place is another task), and the prompt prefixes data.task_prompts sets."""
+    from icrl_core.io import sha256_folder
+    from icrl_core.task_data import task_folder
+
+    folder = task_folder(config.icrl_eval.task, config.data.tasks_dir)
+    return {"tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+            "files": sha256_folder(folder) if folder is not None and folder.is_dir() else None,
+            "prompt": config.data.prompt_of(config.icrl_eval.task)}
+
+
 def result_key(config: PipelineConfig) -> str:
     """A hash of what a run's outcome depends on: the model (dtype resolved on this machine, a trained adapter by
-    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the data folder, the
-    inference engine, and the harness's source code."""
+    the bytes of its files), the icrl_eval settings except speed-only ones, the seed, the task's data and prompt,
+    the inference engine, and the harness's source code."""
     from tasks.icrl_eval import FREE_ON_RESUME
 
     return _digest({
         "model": _model_identity(config),
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
-        "seed": config.seed, "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+        "seed": config.seed, "task": _task_identity(config),
         "engine": engine_identity(config),
     }, _HARNESS_SOURCES + _BACKEND_SOURCES.get(config.inference.backend, ()))
 

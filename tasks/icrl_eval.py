@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from icrl_core.config import EvalConfig, FrozenAdapter
 from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json, atomic_write_text
+from icrl_core.task_data import task_label
 
 STAGE = "icrl_eval"
 # Fields that change speed or bookkeeping only; a resumed run may change them.
@@ -36,7 +38,7 @@ FREE_ON_RESUME = {"output_dir", "run_name", "debug_k", "threads", "log_every", "
 
 
 def default_run_name(cfg: EvalConfig) -> str:
-    return cfg.run_name or f"{cfg.task}-{cfg.strategy}-seed{cfg.seed}"
+    return cfg.run_name or f"{task_label(cfg.task)}-{cfg.strategy}-seed{cfg.seed}"
 
 
 def run_dir_for(cfg: EvalConfig) -> Path:
@@ -258,7 +260,7 @@ def load_eval_task(config: PipelineConfig):
     cfg = config.icrl_eval
     seed = cfg.task_seed if cfg.task_seed is not None else config.seed
     return load_task_from_source(cfg.task, cfg.source, config.data.tasks_dir, seed=seed,
-                                 disk_path=cfg.disk_path)
+                                 disk_path=cfg.disk_path, prompt=config.data.prompt_of(cfg.task))
 
 
 def load_tokens_and_window(spec: str, cache_dir: Path | None = None):
@@ -292,8 +294,14 @@ def resolve_max_examples(cfg: EvalConfig, task, tokens, window: int) -> int:
 
 
 def _check_resumable(run_dir: Path, config: PipelineConfig) -> None:
+    from pydantic import ValidationError
+
     saved = json.loads((run_dir / "config.json").read_text())
     now = config.model_dump(mode="json")
+    try:  # a run written before a field changed its form (e.g. p_keep, once one number) compares by meaning
+        saved["icrl_eval"] = EvalConfig.model_validate(saved.get("icrl_eval", {})).model_dump(mode="json")
+    except ValidationError:
+        pass  # keys this version does not know: compared as written, and reported
     diffs = []
     for section in ("icrl_eval", "model"):
         for key in sorted(set(saved.get(section, {})) | set(now[section])):
@@ -343,7 +351,7 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     import torch
 
     from icrl_core.icrl_eval import (DebugEvent, EvaluationEvent, Predictor, StepEvent, history_from_events,
-                                     run_protocol, summarize)
+                                     is_supervised, run_protocol, summarize)
     from tasks.tracking import stage_run
 
     cfg = config.icrl_eval
@@ -353,9 +361,16 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     task = load_eval_task(config)
     task.training_stream(cfg.train_k, cfg.training_seed)  # bad sizes fail before a run folder exists
     task.test_set(cfg.test_k, cfg.test_seed)
+    is_supervised(cfg)  # strategy icl with icrl=true is refused here too
+    fresh = not run_dir_for(cfg).exists()
     run_dir, steps, tests = prepare_run_dir(config, resume)
     started = time.perf_counter()
-    model = load_eval_model(config, engine)
+    try:
+        model = load_eval_model(config, engine)
+    except UserError:
+        if fresh:  # a bad model or adapter leaves no run folder that would need --resume
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     info_path = run_dir / "run.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     if "max_examples" not in info:

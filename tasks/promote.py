@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from icrl_core.io import read_user_text
 
 STAGE = "promote"
 HEADLINE = ("version", "alias", "metric", "eligible")  # metrics/promote.json; the whole outcome goes to MLflow
@@ -23,13 +24,10 @@ def evaluation_file(config: PipelineConfig) -> Path:
 
 def read_evaluation(path: Path | str) -> dict:
     """The evaluate stage's metrics, from `path`."""
+    text = read_user_text(path, "evaluate stage's metrics JSON file", "run the evaluate stage first")
     try:
-        metrics = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found (run the evaluate stage first)") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: a folder, expected the evaluate stage's metrics JSON file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        metrics = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(metrics, dict):
         raise UserError(f"{path}: expected a JSON object of metrics")

@@ -124,6 +124,9 @@ def _train_loop(loop_config: dict) -> None:
     if loop_config.get("module_root") and loop_config["module_root"] not in sys.path:
         sys.path.insert(0, loop_config["module_root"])
     config = PipelineConfig.model_validate(loop_config["config"])
+    from icrl_core.task_data import register_task_templates
+
+    register_task_templates(config.data)  # as the driver did (tasks/cli_stages.run_stage)
     module_name, func_name = loop_config["train_worker"].rsplit(":", 1)
     train_worker = getattr(importlib.import_module(module_name), func_name)
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("run_id"))

@@ -31,6 +31,7 @@ from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConf
                               SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
+from icrl_core.io import read_user_text
 
 ENV_PREFIX = "ICRL_"
 ENV_NESTED_DELIMITER = "__"
@@ -244,16 +245,7 @@ def read_config_file(path: Path | str) -> dict:
     """A config file (params.yaml, an experiment): a YAML mapping of sections (`ppo: {kl_beta: 0.02}`) and/or
     dotted keys (`ppo.kl_beta: 0.02`) -> nested tree. Any problem is a ConfigError that names the file."""
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a YAML config file") from None
-    except PermissionError:
-        raise ConfigError(f"{path}: no permission to read it") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    text = read_user_text(path, "YAML config file", error=ConfigError)
     stream = io.StringIO(text)
     stream.name = str(path)  # YAML errors then say `in "<path>", line L, column C`
     try:

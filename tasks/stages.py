@@ -63,6 +63,14 @@ def stage_names(project: Path | str | None = None) -> list[str]:
     return list(load_stages(project))
 
 
+def check_stage_names(names, project: Path | str | None = None) -> None:
+    """A UserError (exit 2) naming the first of `names` that is not a stage of dvc.yaml."""
+    known = stage_names(project)
+    for name in names:
+        if name not in known:
+            raise UserError(f"unknown stage '{name}'; the stages of dvc.yaml are {', '.join(known)}")
+
+
 def _entries(items) -> list[str]:
     """A dvc.yaml list whose items are paths or {path: options}."""
     out = []

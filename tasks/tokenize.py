@@ -19,10 +19,10 @@ HEADLINE = ("sequences", "tokens")  # metrics/tokenize.json; the rest: output_di
 def read_split(path: Path):
     """Episodes of one split file; an empty file is an empty split, a missing one an error."""
     from icrl_core.episodes import read_episodes
+    from icrl_core.io import read_user_bytes
 
-    if not path.exists():
-        raise UserError(f"{path}: not found; run `icrl stage build_dataset` first (or set data.output_dir)")
-    if not path.read_bytes().strip():
+    if not read_user_bytes(path, "episodes file", "run `icrl stage build_dataset` first, or set "
+                           "data.output_dir").strip():
         return []
     return read_episodes(path)
 

@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
-from icrl_core.config import EvalConfig
+from icrl_core.config import EvalConfig, EvaluateConfig
 from icrl_core.episodes import Episode, Exemplar, Query, render_episode
 from icrl_core.errors import UserError
 from icrl_core.icrl_eval import (Approximate, EpisodeRecord, Explorative, Naive, NaivePlus, Predictor, Show,
@@ -45,6 +46,45 @@ def test_naive_and_naive_plus_keep_the_most_recent():
     assert Naive(max_examples=3, seed=0).select(history, 6) == [3, 4, 5]
     assert NaivePlus(max_examples=3, seed=0).select(history, 6) == [2, 3, 5]
     assert Naive(max_examples=0, seed=0).select(history, 6) == []
+
+
+def test_naive_with_p_keep_below_1_follows_the_papers_random_biased_end():
+    history = _history([1, 0] * 30)
+    # The paper: rng(seed+step); binomial per episode (per positive one for _only_positive); the last
+    # max_examples of the kept, in time order.
+    rng = np.random.default_rng(107)
+    kept = np.flatnonzero(rng.binomial(1, 0.5, size=60) == 1)
+    assert Naive(max_examples=5, seed=100, p_keep=0.5).select(history, 7) == [int(i) for i in kept[-5:]]
+    positives = list(range(0, 60, 2))
+    rng = np.random.default_rng(107)
+    kept = [positives[i] for i in np.flatnonzero(rng.binomial(1, 0.5, size=30) == 1)]
+    assert NaivePlus(max_examples=5, seed=100, p_keep=0.5).select(history, 7) == kept[-5:]
+    assert Naive(max_examples=5, seed=100, p_keep=1.0).select(history, 7) == list(range(55, 60))
+
+
+def test_the_papers_strategy_names_and_p_keep_per_strategy():
+    paper = {"random_biased_end": (Naive, "naive"), "random_biased_end_only_positive": (NaivePlus, "naive_plus"),
+             "random_unbiased_only_positive": (Explorative, "explorative"),
+             "approximate_only_positive": (Approximate, "approximate"), "random_unbiased": (SupervisedICL, "icl")}
+    for name, (kind, ours) in paper.items():
+        cfg = EvalConfig(strategy=name, p_keep={name: 0.25})
+        assert cfg.strategy == ours and cfg.p_keep_of(ours) == 0.25
+        strategy = make_strategy(cfg, 10)
+        assert type(strategy) is kind and strategy.p_keep == 0.25
+    evaluate = EvaluateConfig(strategies=["random_biased_end"], temperatures={"random_unbiased_only_positive": 2})
+    assert evaluate.strategies == ["naive"] and evaluate.temperatures == {"explorative": 2.0}
+    # defaults: the paper's 0.1 for explorative and approximate, every episode for naive and ICL
+    cfg = EvalConfig()
+    assert [cfg.p_keep_of(s) for s in ("explorative", "approximate", "naive", "naive_plus", "icl")] == [
+        0.1, 0.1, 1.0, 1.0, 1.0]
+    assert EvalConfig(p_keep={"naive": 0.5}).p_keep_of("explorative") == 0.1  # unlisted: the paper's value
+    # one number (the form before p_keep was per strategy): the strategies that sample by default
+    cfg = EvalConfig(p_keep=0.3)
+    assert cfg.p_keep_of("explorative") == cfg.p_keep_of("approximate") == 0.3 and cfg.p_keep_of("naive") == 1.0
+    assert make_strategy(EvalConfig(strategy="icl", p_keep={"icl": 0.5}), 10).p_keep == 0.5
+    for bad in ({"strategy": "random_biased_start"}, {"p_keep": {"naive": 0}}, {"p_keep": {"bogus": 0.5}}):
+        with pytest.raises(ValidationError):
+            EvalConfig(**bad)
 
 
 def test_explorative_follows_the_papers_draws():

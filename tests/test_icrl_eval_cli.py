@@ -178,3 +178,19 @@ def test_jsonl_reader_drops_only_a_truncated_last_line(tmp_path):
     path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
     with pytest.raises(UserError, match="steps.jsonl:2"):
         read_jsonl(path)
+
+
+def test_a_run_folder_of_the_one_number_p_keep_resumes(tmp_path):
+    """A run written when icrl_eval.p_keep was one number resumes under the per-strategy form of the same
+    value, and not under another value."""
+    from icrl_core.errors import UserError
+    from tasks.icrl_eval import _check_resumable
+    from tasks.settings import load_config, with_overrides
+
+    config = with_overrides(load_config(), {"icrl_eval.p_keep": 0.3})
+    saved = config.model_dump(mode="json")
+    saved["icrl_eval"]["p_keep"] = 0.3
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    _check_resumable(tmp_path, config)
+    with pytest.raises(UserError, match="icrl_eval.p_keep"):
+        _check_resumable(tmp_path, with_overrides(config, {"icrl_eval.p_keep": {"explorative": 0.5}}))

@@ -44,14 +44,10 @@ def register(app: typer.Typer) -> None:
         flat = params_file_overrides(DEFAULT_PARAMS, files, overrides or [])
         if name is None and experiment:
             name = f"{experiment[-1].stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        from flows.services import stop_descendants, stop_on_signals
+        from flows.services import run_stopping_children
 
-        with stop_on_signals():
-            try:
-                results = _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name)
-            except KeyboardInterrupt:  # SIGTERM or SIGINT: no stage, Ray worker or server is left running
-                stop_descendants()
-                raise
+        results = run_stopping_children(
+            lambda: _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name))
         console().print_json(json.dumps(results, default=str))
 
     @app.command("sweep")

@@ -183,6 +183,17 @@ def _signal_all(processes: list, group: int | None, signum: int) -> None:
             process.send_signal(signum)
 
 
+def run_stopping_children(work: Callable[[], object]) -> object:
+    """`work()`; on SIGTERM or SIGINT every process it started (stages, Ray, a temporary Prefect server) is stopped
+    before KeyboardInterrupt leaves (`icrl pipeline`)."""
+    with stop_on_signals():
+        try:
+            return work()
+        except KeyboardInterrupt:
+            stop_descendants()
+            raise
+
+
 @contextlib.contextmanager
 def stop_on_signals(on_signal: Callable[[], None] | None = None) -> Iterator[None]:
     """SIGTERM (docker stop, systemd, kill) and SIGINT (Ctrl-C, kill -INT) end the `with` block with

@@ -177,15 +177,13 @@ def model_interpolate(
                                          "1 = the adapter unchanged.", min=0.0, max=1.0)],
     output: Annotated[Path, typer.Option(help="Folder for the interpolated adapter (written atomically).",
                                          show_default=False)],
-    spec: Annotated[str, typer.Option(help="Base model spec the adapter was trained on.")] = "smollm2-135m",
+    spec: Annotated[Optional[str], typer.Option(help="Base model spec the adapter was trained on (default: the one "
+                                                "the adapter folder names).")] = None,
 ) -> None:
     """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
-    from icrl_core.adapter_format import require_adapter
-    from icrl_core.config import ModelConfig
-    from icrl_core.model import policy_from_config
+    from icrl_core.adapter_format import policy_for_adapter, require_adapter
 
-    require_adapter(adapter, "adapter")
-    policy = policy_from_config(ModelConfig(spec=spec, init_adapter=adapter))
+    policy = policy_for_adapter(require_adapter(adapter, "adapter"), spec)
     policy.interpolate_to_reference(scale)
     policy.save_adapter(output)
     console().print(f"{output}: base + {scale:g} x ({adapter} - base)")

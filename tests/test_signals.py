@@ -80,3 +80,36 @@ def test_up_stops_every_child_on_sigterm(tmp_path):
             from flows.services import stop_tree
 
             stop_tree(up.pid, grace=5)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_pipeline_guard_stops_children_in_their_own_sessions(tmp_path, signum):
+    """What `icrl pipeline` runs under (flows.services.run_stopping_children): a signal stops every process the
+    work started, also one in its own session with a child of its own (as `dvc repro` -> stage -> Ray)."""
+    script = tmp_path / "work.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from flows.services import run_stopping_children\n"
+        "def work():\n"
+        "    subprocess.Popen(['sh', '-c', 'sleep 300 & sleep 300'], start_new_session=True)\n"
+        "    subprocess.Popen(['sleep', '300'])\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(300)\n"
+        "run_stopping_children(work)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    work = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert work.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 10
+        while len(children := psutil.Process(work.pid).children(recursive=True)) < 3:
+            assert time.monotonic() < deadline, [_command(c) for c in children]
+            time.sleep(0.1)
+        work.send_signal(signum)
+        assert work.wait(timeout=60) != 0  # interrupted, not finished
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, [_command(p) for p in alive]
+    finally:
+        if work.poll() is None:
+            from flows.services import stop_tree
+
+            stop_tree(work.pid, grace=5)

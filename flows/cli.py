@@ -1,5 +1,6 @@
 """CLI commands of the orchestration layer: pipeline, up, sweep, promote."""
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -45,7 +46,10 @@ def register(app: typer.Typer) -> None:
         flat = params_file_overrides(DEFAULT_PARAMS, files, overrides or [])
         if name is None and experiment:
             name = f"{experiment[-1].stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        results = _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name)
+        from flows.services import run_stopping_children
+
+        results = run_stopping_children(
+            lambda: _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name))
         console().print_json(json.dumps(results, default=str))
 
     @app.command("sweep")
@@ -87,14 +91,15 @@ def register(app: typer.Typer) -> None:
         parameters, and follow each stage's state and logs; runs and models appear in the MLflow UI."""
         import time
 
-        from flows.services import Services
+        from flows.services import Services, stop_descendants, stop_on_signals
 
         services = Services(host=host, prefect_port=prefect_port, mlflow_port=mlflow_port)
         out = console()
-        try:
-            services.start_prefect()
+        with stop_on_signals(), _stopping(services, stop_descendants):
+            services.start_prefect(wait=False)
+            services.start_mlflow(wait=False)
+            services.wait_ready()
             out.print(f"Prefect UI   http://{host}:{prefect_port}")
-            services.start_mlflow()
             out.print(f"MLflow UI    {services.mlflow_uri}")
             services.ensure_work_pool()
             if deploy:
@@ -107,10 +112,19 @@ def register(app: typer.Typer) -> None:
                 time.sleep(1)
             dead = [name for name, p in services.processes.items() if p.poll() is not None]
             out.print(f"stopped: {', '.join(dead)} exited (see .icrl/logs/)")
-        except KeyboardInterrupt:
-            out.print("stopping")
-        finally:
-            services.stop()
+
+
+@contextlib.contextmanager
+def _stopping(services, stop_descendants):
+    """`icrl up`'s end, however it comes (Ctrl-C, SIGTERM, a service that died, an error while starting): every
+    service's process tree, then anything else this process started."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        console().print("stopping")
+    finally:
+        services.stop()
+        stop_descendants()
 
 
 def _run_pipeline(**kwargs) -> dict:

@@ -6,11 +6,14 @@ folder as the stages (mlflow.db, mlartifacts/), so the UI shows every run.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,15 +75,26 @@ class Services:
         self.processes[name] = process
         return process
 
-    def start_prefect(self) -> None:
+    def start_prefect(self, wait: bool = True) -> None:
+        """Start the Prefect server; with `wait`, return once it answers (else see `wait_ready`)."""
         env = prefect_env()
         env["PREFECT_SERVER_API_HOST"] = self.host
         env["PREFECT_SERVER_API_PORT"] = str(self.prefect_port)
         process = self._spawn("prefect-server", [_bin("prefect"), "server", "start", "--host", self.host,
                                                  "--port", str(self.prefect_port)], env)
-        wait_http(f"{self.prefect_api}/health", process=process)
+        if wait:
+            wait_http(f"{self.prefect_api}/health", process=process)
 
-    def start_mlflow(self) -> None:
+    def wait_ready(self) -> None:
+        """Return once the servers started so far answer (they start side by side: each first migrates its
+        database, which takes tens of seconds on a fresh folder)."""
+        urls = {"prefect-server": f"{self.prefect_api}/health", "mlflow-server": f"{self.mlflow_uri}/health"}
+        for name, process in self.processes.items():
+            if name in urls:
+                wait_http(urls[name], process=process)
+
+    def start_mlflow(self, wait: bool = True) -> None:
+        """Start the MLflow server; with `wait`, return once it answers (else see `wait_ready`)."""
         env = prefect_env()
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
         store = f"sqlite:///{Path('mlflow.db').resolve()}"
@@ -88,7 +102,8 @@ class Services:
             _bin("mlflow"), "server", "--host", self.host, "--port", str(self.mlflow_port),
             "--backend-store-uri", store, "--default-artifact-root", Path("mlartifacts").resolve().as_uri(),
             "--workers", "1"], env)
-        wait_http(f"{self.mlflow_uri}/health", process=process)
+        if wait:
+            wait_http(f"{self.mlflow_uri}/health", process=process)
 
     def ensure_work_pool(self, pool: str = WORK_POOL) -> None:
         env = prefect_env(self.prefect_api)
@@ -114,14 +129,90 @@ class Services:
         self._spawn("prefect-worker", [_bin("prefect"), "worker", "start", "--pool", pool, "--type", "process"],
                     env)
 
-    def stop(self) -> None:
-        import signal
-
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the services, last started first: each one's whole process tree (see `stop_tree`)."""
         for name in reversed(list(self.processes)):
             process = self.processes.pop(name)
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGTERM)
-                    process.wait(timeout=20)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_tree(process.pid, grace)
+            with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
+                process.wait(timeout=5)
+
+
+def stop_tree(pid: int, grace: float = 20.0) -> None:
+    """SIGTERM a process and its descendants (and its process group, if it leads one), then SIGKILL whatever is
+    left after `grace` seconds. The tree is read first: a server's workers outlive their parent otherwise
+    (orphans are re-parented to init and are nobody's descendants any more)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    group = pid if _leads_group(pid) else None
+    _signal_all(tree, group, signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    if alive or group is not None:
+        _signal_all(alive, group, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+
+
+def stop_descendants(grace: float = 20.0) -> None:
+    """Stop every process this one started, directly or not (`stop_tree` of each child)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        stop_tree(child.pid, grace)
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
+def _signal_all(processes: list, group: int | None, signum: int) -> None:
+    import psutil
+
+    if group is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signum)
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signum)
+
+
+def run_stopping_children(work: Callable[[], object]) -> object:
+    """`work()`; on SIGTERM or SIGINT every process it started (stages, Ray, a temporary Prefect server) is stopped
+    before KeyboardInterrupt leaves (`icrl pipeline`)."""
+    with stop_on_signals():
+        try:
+            return work()
+        except KeyboardInterrupt:
+            stop_descendants()
+            raise
+
+
+@contextlib.contextmanager
+def stop_on_signals(on_signal: Callable[[], None] | None = None) -> Iterator[None]:
+    """SIGTERM (docker stop, systemd, kill) and SIGINT (Ctrl-C, kill -INT) end the `with` block with
+    KeyboardInterrupt, so its `finally` blocks stop the children; Python's default for SIGTERM is to die at once
+    and leave them running. `on_signal` runs first, in the handler. Signals arriving while stopping are ignored
+    (a second Ctrl-C does not cut the cleanup short)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame) -> None:
+        for each in previous:
+            signal.signal(each, signal.SIG_IGN)
+        if on_signal is not None:
+            on_signal()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in previous:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)

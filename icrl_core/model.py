@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from icrl_core.adapter_format import load_safetensors, saved_adapter  # noqa: F401 (saved_adapter: re-export)
 from icrl_core.chat import Tokens
 from icrl_core.config import Adapter, FrozenAdapter, LastBlocksAdapter, LoraAdapter
 from icrl_core.errors import CheckpointError, UserError
@@ -200,21 +200,12 @@ class ValueHead(nn.Module):
 
     @classmethod
     def load(cls, path: Path | str) -> ValueHead:
-        tensors = _load_safetensors(path)
+        tensors = load_safetensors(path)
         if set(tensors) != {"linear.weight", "linear.bias"} or tensors["linear.weight"].ndim != 2:
             raise CheckpointError(f"{path}: not a value head (tensors: {sorted(tensors)})")
         head = cls(tensors["linear.weight"].shape[1])
         head.load_state_dict(tensors)
         return head
-
-
-def _load_safetensors(path: Path | str) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
 
 
 @dataclass
@@ -315,22 +306,17 @@ class Policy:
                     param.copy_(ref + scale * (param - ref))
 
     def save_adapter(self, folder: Path | str) -> None:
-        """Trainable weights (+ value head) as safetensors, atomically, with a JSON description."""
-        with atomic_dir(folder) as tmp:
-            save_file(self.trainable_state_dict(), str(tmp / "adapter.safetensors"))
-            if self.value_head is not None:
-                self.value_head.save(tmp / "value_head.safetensors")
-            (tmp / "adapter.json").write_text(json.dumps({
-                "spec": self.spec, "adapter": self.adapter.model_dump(mode="json"),
-                "value_head": self.value_head is not None,
-            }, indent=2))
+        """The trained part (+ value head) as an adapter folder, atomically: PEFT's own format for LoRA
+        (icrl_core/adapter_format.py)."""
+        from icrl_core.adapter_format import save_adapter
+
+        save_adapter(self, folder)
 
     def load_adapter(self, folder: Path | str) -> None:
-        folder = Path(folder)
-        self.load_trainable_state_dict(_load_safetensors(folder / "adapter.safetensors"), str(folder))
-        head = folder / "value_head.safetensors"
-        if head.exists() and self.value_head is not None:
-            self.value_head.load_state_dict(ValueHead.load(head).state_dict())
+        """Load a saved adapter folder (the current format or the old one) into this policy."""
+        from icrl_core.adapter_format import load_adapter
+
+        load_adapter(self, folder)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, with_values: bool = False, **kwargs):
@@ -399,24 +385,11 @@ def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | 
     return policy
 
 
-def saved_adapter(folder: Path | str) -> Adapter | None:
-    """The adapter type and shape a saved adapter folder was trained with (its adapter.json), or None."""
-    from pydantic import TypeAdapter, ValidationError
-
-    meta = Path(folder) / "adapter.json"
-    if not meta.exists():
-        return None
-    try:
-        return TypeAdapter(Adapter).validate_python(json.loads(meta.read_text())["adapter"])
-    except (ValueError, KeyError, ValidationError) as error:
-        raise CheckpointError(f"{meta}: not a valid adapter description ({error})") from error
-
-
 def policy_from_config(model_config, value_head: bool = False, seed: int = 0, adapter: Adapter | None = None,
                        init_adapter: Path | None = None) -> Policy:
     """`load_policy` from a `ModelConfig` section.
 
-    A saved adapter to start from carries its own shape (adapter.json): it wins over `model_config.adapter`, so
+    A saved adapter to start from carries its own shape (icrl_adapter.json): it wins over `model_config.adapter`, so
     an adapter trained with rank 16 loads without repeating `model.adapter.rank=16`."""
     init_adapter = init_adapter if init_adapter is not None else model_config.init_adapter
     if adapter is None:

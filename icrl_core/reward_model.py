@@ -175,7 +175,7 @@ def load_reward_model(folder: Path | str, model_config: ModelConfig) -> RewardMo
     speed); the adapter *shape* comes from the folder's reward_model.json, so the policy's own adapter settings
     do not have to match. A different spec than the one trained on is refused (the head reads its hidden
     states). Corrupt or truncated files raise CheckpointError."""
-    from icrl_core.model import _load_safetensors
+    from icrl_core.adapter_format import load_safetensors
 
     folder = resolve_reward_model_dir(folder)
     meta = read_reward_model_meta(folder)
@@ -188,7 +188,7 @@ def load_reward_model(folder: Path | str, model_config: ModelConfig) -> RewardMo
         raise CheckpointError(f"{folder / META_FILE}: bad adapter description ({exc})") from None
     policy = load_policy(model_config.spec, model_config.dtype, adapter, value_head=False,
                          cache_dir=model_config.cache_dir)
-    policy.load_trainable_state_dict(_load_safetensors(folder / ADAPTER_FILE), str(folder / ADAPTER_FILE))
+    policy.load_trainable_state_dict(load_safetensors(folder / ADAPTER_FILE), str(folder / ADAPTER_FILE))
     head = ValueHead.load(folder / HEAD_FILE)
     if head.linear.weight.shape[1] != policy.config.hidden_size:
         raise CheckpointError(f"{folder / HEAD_FILE}: head width {head.linear.weight.shape[1]} != hidden size "

@@ -24,12 +24,12 @@ HEADLINE = ("mean_reward_before", "mean_reward_after")  # metrics/adapt.json; th
 
 def start_adapter(config: PipelineConfig) -> Path | None:
     """The adapter the requests are answered with (see AdaptConfig.adapter)."""
+    from icrl_core.adapter_format import is_adapter_folder, require_adapter
+
     if config.adapt.adapter is not None:
-        if not (Path(config.adapt.adapter) / "adapter.safetensors").exists():
-            raise UserError(f"adapt.adapter={config.adapt.adapter}: no adapter.safetensors in that folder")
-        return Path(config.adapt.adapter)
+        return require_adapter(config.adapt.adapter, "adapt.adapter")
     ppo_adapter = Path(config.ppo.output_dir) / "adapter"
-    if (ppo_adapter / "adapter.safetensors").exists():
+    if is_adapter_folder(ppo_adapter):
         return ppo_adapter
     return config.model.init_adapter
 

@@ -184,25 +184,63 @@ def model_warm(
 
 @model_app.command("interpolate")
 def model_interpolate(
-    adapter: Annotated[Path, typer.Argument(help="Trained adapter folder (adapter.safetensors + adapter.json).",
+    adapter: Annotated[Path, typer.Argument(help="Trained adapter folder (see docs/FORMATS.md).",
                                             show_default=False, **INPUT_FOLDER)],
     scale: Annotated[float, typer.Option(help="Keep this fraction of the change training made: the weights "
                                          "become base + scale * (trained - base) (WiSE-FT). 0 = the base model, "
                                          "1 = the adapter unchanged.", min=0.0, max=1.0)],
     output: Annotated[Path, typer.Option(help="Folder for the interpolated adapter (written atomically).",
                                          show_default=False, **OUTPUT_FOLDER)],
-    spec: Annotated[str, typer.Option(help="Base model spec the adapter was trained on.")] = "smollm2-135m",
+    spec: Annotated[Optional[str], typer.Option(help="Base model spec the adapter was trained on (default: the one "
+                                                "the adapter folder names).")] = None,
 ) -> None:
     """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
-    from icrl_core.config import ModelConfig
-    from icrl_core.model import policy_from_config
+    from icrl_core.adapter_format import policy_for_adapter, require_adapter
 
-    if not (adapter / "adapter.safetensors").exists():
-        raise UserError(f"{adapter}: no adapter.safetensors (not a trained adapter folder)")
-    policy = policy_from_config(ModelConfig(spec=spec, init_adapter=adapter))
+    policy = policy_for_adapter(require_adapter(adapter, "adapter"), spec)
     policy.interpolate_to_reference(scale)
     policy.save_adapter(output)
     console().print(f"{output}: base + {scale:g} x ({adapter} - base)")
+
+
+@model_app.command("convert")
+def model_convert(
+    adapter: Annotated[Path, typer.Argument(help="Adapter folder in the old layout (adapter.safetensors + "
+                                            "adapter.json) or a plain PEFT LoRA folder.", show_default=False)],
+    output: Annotated[Optional[Path], typer.Option(help="Write here instead of replacing the folder in place.")]
+    = None,
+    spec: Annotated[Optional[str], typer.Option(help="Base model spec, if the folder does not name it.")] = None,
+) -> None:
+    """Rewrite a saved adapter in the current format (PEFT's own files for LoRA; docs/FORMATS.md)."""
+    from icrl_core.adapter_format import convert_adapter, require_adapter
+
+    target = convert_adapter(require_adapter(adapter, "adapter"), output, spec)
+    console().print(f"{target}: adapter in the current format")
+
+
+@model_app.command("export")
+def model_export(
+    adapter: Annotated[Path, typer.Argument(help="Trained adapter folder.", show_default=False)],
+    output: Annotated[Path, typer.Option(help="Folder to write (atomically).", show_default=False)],
+    merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into the base weights and write a "
+                                        "transformers model folder (AutoModelForCausalLM.from_pretrained loads "
+                                        "it). Without it, the adapter is written in the current format.")]
+    = False,
+    spec: Annotated[Optional[str], typer.Option(help="Base model spec, if the folder does not name it.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype of the merged model: float32 or bfloat16.")]
+    = "float32",
+) -> None:
+    """Export a trained adapter: merged into a standalone model folder (--merge), or as a PEFT adapter folder."""
+    from icrl_core.adapter_format import convert_adapter, export_merged, require_adapter
+    from icrl_core.model import resolve_dtype
+
+    require_adapter(adapter, "adapter")
+    if merge:
+        export_merged(adapter, output, spec, resolve_dtype(dtype))
+        console().print(f"{output}: merged model (load with AutoModelForCausalLM.from_pretrained)")
+    else:
+        convert_adapter(adapter, output, spec)
+        console().print(f"{output}: adapter (load with peft.PeftModel.from_pretrained)")
 
 
 @model_app.command("ask")

@@ -522,15 +522,14 @@ def _follow_adapter(work_dir: Path, work_run: PipelineConfig) -> None:
 def run(config: PipelineConfig) -> dict:
     import shutil
 
+    from icrl_core.adapter_format import require_adapter
     from icrl_core.io import atomic_write_json
     from tasks.icrl_eval import plot_learning_curves
     from tasks.runtime import write_stage_metrics
     from tasks.tracking import stage_run
 
     cfg = config.evaluate
-    adapter = Path(cfg.adapter)
-    if not (adapter / "adapter.safetensors").exists():
-        raise UserError(f"evaluate.adapter {adapter}: no trained adapter (run the ppo stage first)")
+    adapter = require_adapter(cfg.adapter, "evaluate.adapter", "run the ppo stage first")
     if cfg.feedback_probe_target is not None:  # a label the task lacks fails now, not after the runs
         from icrl_core.feedback_probe import probe_examples
         from tasks.icrl_eval import load_eval_task

@@ -51,6 +51,7 @@ def max_episode_tokens(config: PipelineConfig, policy) -> int:
 
 def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.model import policy_from_config
+    from icrl_core.adapter_format import VALUE_HEAD, require_adapter
     from icrl_core.ppo import train_ppo, zero_value_head
     from tasks.runtime import ProgressRuntime
 
@@ -65,12 +66,12 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         train = read_split(config, "train", required=True)
         val = read_split(config, "val", required=False)
     init = cfg.init_adapter or config.model.init_adapter
-    if init is not None and not (Path(init) / "adapter.safetensors").exists():
-        raise UserError(f"ppo.init_adapter {init}: no adapter.safetensors there (run the bootstrap stage first)")
+    if init is not None:
+        require_adapter(init, "ppo.init_adapter", "run the bootstrap stage first")
     policy = policy_from_config(config.model, value_head=cfg.value_head, seed=config.seed, init_adapter=init)
     if not any(p.requires_grad for p in policy.model.parameters()):
         raise UserError("PPO needs trainable weights: set model.adapter.kind to lora or last_blocks")
-    if cfg.value_head and not (init is not None and (Path(init) / "value_head.safetensors").exists()):
+    if cfg.value_head and not (init is not None and (Path(init) / VALUE_HEAD).exists()):
         zero_value_head(policy)  # a fresh critic (one trained by an earlier PPO run is kept)
     scorer = load_scorer(config, cfg.reward, cfg.reward_model_path)
     progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy"))

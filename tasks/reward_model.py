@@ -27,7 +27,9 @@ def start_adapter(config: PipelineConfig) -> Path | None:
     if config.reward_model.base == "base":
         return config.model.init_adapter
     adapter = Path(config.bootstrap.output_dir) / "adapter"
-    if not (adapter / "adapter.safetensors").exists():
+    from icrl_core.adapter_format import is_adapter_folder
+
+    if not is_adapter_folder(adapter):
         raise UserError(f"reward_model.base=bootstrap but {adapter} does not exist: run `icrl stage bootstrap` "
                         "first, or set reward_model.base=base")
     return adapter

@@ -81,14 +81,14 @@ def test_adaptation_trains_a_temporary_copy_and_restores_the_adapter(scorer):
 
 
 def test_adapt_stage_and_cli_leave_the_adapter_on_disk_untouched(in_tmp, scorer, capsys):
-    from icrl_core.io import sha256_file
+    from icrl_core.io import sha256_folder
     from icrl_core.model import load_policy
     from tasks.adapt import run
 
     write_keyword_dataset(in_tmp / "data", train=2, val=3, k=3, n=1)
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(), value_head=True)
     policy.save_adapter(in_tmp / "artifacts" / "ppo" / "adapter")
-    digest = sha256_file(in_tmp / "artifacts/ppo/adapter/adapter.safetensors")
+    digest = sha256_folder(in_tmp / "artifacts/ppo/adapter")
     overrides = ["model.spec=tiny", "tracking.enabled=false", "data.output_dir=data", "adapt.num_requests=2",
                  "adapt.num_rollouts=2", "adapt.steps=2", "adapt.max_new_tokens=3", "adapt.reward={kind: both}",
                  f"adapt.reward_model_path={scorer[0]}"]
@@ -112,7 +112,7 @@ def test_adapt_stage_and_cli_leave_the_adapter_on_disk_untouched(in_tmp, scorer,
     assert "reward before" in printed.out and "base adapter unchanged: True" in printed.out
     out = json.loads((in_tmp / "out.json").read_text())
     assert [r["episode_id"] for r in out["requests"]] == ["val-1-2"]
-    assert sha256_file(in_tmp / "artifacts/ppo/adapter/adapter.safetensors") == digest
+    assert sha256_folder(in_tmp / "artifacts/ppo/adapter") == digest
     with pytest.raises(SystemExit) as done:
         main(["adapt", "--episode-id", "nope", *args[4:]])
     assert done.value.code == 2 and "nope" in capsys.readouterr().err

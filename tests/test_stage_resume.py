@@ -78,8 +78,8 @@ def test_bootstrap_resumes_after_sigkill_and_refuses_a_corrupt_checkpoint(tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from checkpoint at step" in resumed.stderr
     assert _metrics(resumed.stdout) == expected
-    a = load_file(str(first / "artifacts/bootstrap/adapter/adapter.safetensors"))
-    b = load_file(str(killed / "artifacts/bootstrap/adapter/adapter.safetensors"))
+    a = load_file(str(first / "artifacts/bootstrap/adapter/adapter_model.safetensors"))
+    b = load_file(str(killed / "artifacts/bootstrap/adapter/adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((killed / "artifacts/bootstrap/metrics.json").read_text())["step"] == 8
 

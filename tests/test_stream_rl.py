@@ -176,7 +176,7 @@ def test_stream_stage_needs_no_built_dataset_and_writes_its_outputs(in_tmp):
     assert [h["step"] for h in history] == [1, 2] and metrics["iterations"] == 2
     assert [e["step"] for e in json.loads((out / "evals.json").read_text())] == [0, 2]
     assert (out / "reward_curve.png").stat().st_size > 1000
-    assert (out / "adapter" / "adapter.safetensors").exists()
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_stream_statistics_by_hand():

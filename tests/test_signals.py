@@ -1,0 +1,115 @@
+"""`icrl up` stopped by a signal (docker stop, systemd, kill) leaves no process and no port behind: the real
+Prefect server, MLflow server and Prefect worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _wait_for(predicate, timeout: float, what: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        assert process.poll() is None, f"icrl up exited early:\n{log.read_text()}"
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not ready within {timeout:.0f}s:\n{log.read_text()}")
+
+
+def _command(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def test_up_stops_every_child_on_sigterm(tmp_path):
+    prefect_port, mlflow_port = _free_port(), _free_port()
+    log = tmp_path / "up.log"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)}
+    env.pop("PREFECT_API_URL", None)
+    with open(log, "wb") as out:
+        up = subprocess.Popen([str(Path(sys.executable).parent / "icrl"), "up", "--no-deploy", "--prefect-port",
+                               str(prefect_port), "--mlflow-port", str(mlflow_port)], cwd=tmp_path, env=env,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: "worker started" in log.read_text(), 150, "icrl up", up, log)
+        children = psutil.Process(up.pid).children(recursive=True)
+        commands = [_command(child) for child in children]
+        assert any("prefect" in c and "server" in c for c in commands), commands
+        assert any("mlflow" in c and "server" in c for c in commands), commands
+        assert any("worker start" in c for c in commands), commands
+        assert not _port_is_free(prefect_port) and not _port_is_free(mlflow_port)  # they answer (icrl up waited)
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0, log.read_text()
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, [_command(p) for p in alive]
+        assert _port_is_free(prefect_port) and _port_is_free(mlflow_port)
+        assert "stopping" in log.read_text()
+    finally:
+        if up.poll() is None:  # a failed test must not leave servers behind either
+            from flows.services import stop_tree
+
+            stop_tree(up.pid, grace=5)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_pipeline_guard_stops_children_in_their_own_sessions(tmp_path, signum):
+    """What `icrl pipeline` runs under (flows.services.run_stopping_children): a signal stops every process the
+    work started, also one in its own session with a child of its own (as `dvc repro` -> stage -> Ray)."""
+    script = tmp_path / "work.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from flows.services import run_stopping_children\n"
+        "def work():\n"
+        "    subprocess.Popen(['sh', '-c', 'sleep 300 & sleep 300'], start_new_session=True)\n"
+        "    subprocess.Popen(['sleep', '300'])\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(300)\n"
+        "run_stopping_children(work)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    work = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert work.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 10
+        while len(children := psutil.Process(work.pid).children(recursive=True)) < 3:
+            assert time.monotonic() < deadline, [_command(c) for c in children]
+            time.sleep(0.1)
+        work.send_signal(signum)
+        assert work.wait(timeout=60) != 0  # interrupted, not finished
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, [_command(p) for p in alive]
+    finally:
+        if work.poll() is None:
+            from flows.services import stop_tree
+
+            stop_tree(work.pid, grace=5)

@@ -206,8 +206,10 @@ def model_interpolate(
 @model_app.command("convert")
 def model_convert(
     adapter: Annotated[Path, typer.Argument(help="Adapter folder in the old layout (adapter.safetensors + "
-                                            "adapter.json) or a plain PEFT LoRA folder.", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option(help="Write here instead of replacing the folder in place.")]
+                                            "adapter.json) or a plain PEFT LoRA folder.", show_default=False,
+                                            **INPUT_FOLDER)],
+    output: Annotated[Optional[Path], typer.Option(help="Write here instead of replacing the folder in place.",
+                                                   **OUTPUT_FOLDER)]
     = None,
     spec: Annotated[Optional[str], typer.Option(help="Base model spec, if the folder does not name it.")] = None,
 ) -> None:
@@ -220,8 +222,9 @@ def model_convert(
 
 @model_app.command("export")
 def model_export(
-    adapter: Annotated[Path, typer.Argument(help="Trained adapter folder.", show_default=False)],
-    output: Annotated[Path, typer.Option(help="Folder to write (atomically).", show_default=False)],
+    adapter: Annotated[Path, typer.Argument(help="Trained adapter folder.", show_default=False, **INPUT_FOLDER)],
+    output: Annotated[Path, typer.Option(help="Folder to write (atomically).", show_default=False,
+                                         **OUTPUT_FOLDER)],
     merge: Annotated[bool, typer.Option("--merge", help="Merge the adapter into the base weights and write a "
                                         "transformers model folder (AutoModelForCausalLM.from_pretrained loads "
                                         "it). Without it, the adapter is written in the current format.")]

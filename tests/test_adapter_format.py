@@ -117,7 +117,7 @@ def test_old_layout_loads_and_converts_with_one_command(tmp_path):
     policy.save_adapter(tmp_path / "new")
     assert sha256_folder(tmp_path / "new") == sha256_folder(tmp_path / "old")
     missing = run_cli("model", "convert", str(tmp_path / "nowhere"), cwd=tmp_path)
-    assert missing.returncode == 2 and "no saved adapter" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
 @pytest.mark.parametrize("adapter", [LoraAdapter(rank=4, alpha=8), LastBlocksAdapter(n_blocks=1)],

@@ -182,7 +182,7 @@ def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):
         ("eval", "--task", "bogus", *fast): "unknown task 'bogus'",
         ("eval", "--task", "./empty", *fast): "empty/labels.txt: label list not found",
         ("eval", "--model", "bogus-model", "--no-tracking"): "unknown model spec 'bogus-model'",
-        ("eval", "--adapter", "empty", *fast): "adapter.safetensors: file not found",
+        ("eval", "--adapter", "empty", *fast): "empty: not a saved adapter",
         ("eval", "--strategy", "icl", "--icrl", *fast): "cannot run with icrl_eval.icrl=true",
         ("eval", "--run-name", "../elsewhere", *fast): "'../elsewhere' is not a folder name",
         ("config", "show", "--set", "icrl_eval.strategy=random_biased_start"): "or the paper's 'random_biased_end'",

@@ -53,6 +53,7 @@ test: setup
 bench: setup
 	$(PY) bench/icrl_eval_speed.py
 	$(PY) bench/ppo_step.py
+	$(PY) bench/grpo_step.py
 	$(PY) bench/sandbox.py
 
 # A DVC experiment with experiments/icrl_skill.yaml's params (`dvc exp show` lists it; params.yaml is unchanged).

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,10 +39,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.ppo_step import peak_rss_mb, prompts_and_episodes, rss_mb  # noqa: E402
+from bench.ppo_step import (
+    peak_rss_mb,
+    prompts_and_episodes,
+    rss_mb,
+    run_variants,
+    step_timer,
+    trl_model,
+)
 
 VARIANTS = ("icrl", "trl")
-LORA = dict(rank=8, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 LEARNING_RATE = 1e-5
 CLIP = 0.2
 
@@ -111,6 +117,7 @@ def run_icrl(args) -> dict:
     return {"variant": "icrl", **timed,
             "tokens_per_second": (timed["generated_tokens"] + timed["trained_tokens"]) / timed["seconds"],
             "peak_rss_mb": peak_rss_mb(), "rss_after_load_mb": after_load, "warmup_seconds": warmup["seconds"],
+            "load_average_at_end": os.getloadavg(),
             "torch_threads": torch.get_num_threads()}
 
 
@@ -118,18 +125,13 @@ def run_trl(args) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from icrl_core.model import materialize_gguf, packaged_gguf
     from icrl_core.rollout import task_reward
 
     torch.set_num_threads(args.threads)
     episodes, ids, texts = prompts_and_episodes(args.prompts, args.max_new_tokens)
-    folder = materialize_gguf(packaged_gguf())
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype))
+    tokenizer, model = trl_model(args.dtype)
     after_load = rss_mb()
     # Same prompts in the same order at every step (shuffle off): step 1 (warm-up) and step 2 see the icrl batch.
     rows = [{"prompt": t, "episode": i} for i, t in enumerate(texts)]
@@ -146,14 +148,6 @@ def run_trl(args) -> dict:
         return rewards
 
     step_times: list[tuple[float, dict]] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            step_times.append((time.perf_counter() - self.started, dict(counted)))
-
     completions = args.prompts * args.group_size
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-grpo-bench-"), use_cpu=True, bf16=False, fp16=False,
@@ -168,35 +162,36 @@ def run_trl(args) -> dict:
     lora = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=LORA["targets"], lora_dropout=0.0,
                       task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=lora, callbacks=[Timer()])
+                          processing_class=tokenizer, peft_config=lora,
+                          callbacks=[step_timer(step_times, counted)])
     trainer.train()
     seconds, count = step_times[-1]
     return {"variant": "trl", "seconds": seconds, "generated_tokens": count["generated"],
             "trained_tokens": count["trained"], "mean_reward": count["mean_reward"],
             "tokens_per_second": (count["generated"] + count["trained"]) / seconds, "peak_rss_mb": peak_rss_mb(),
             "rss_after_load_mb": after_load, "warmup_seconds": step_times[0][0],
-            "torch_threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
+            "load_average_at_end": os.getloadavg(), "torch_threads": torch.get_num_threads(), "trl_version": __import__("trl").__version__}
 
 
 NOTES = [
-    "Rollout: both sides free-generate up to max_new_tokens tokens per completion (stop at end of turn/EOS), "
-    "G completions per prompt, full-vocabulary sampling at the same temperature (TRL top_k=0, top_p=1). The "
-    "pipeline's own GRPO (ppo.mode: stream) rolls out in-context RL streams answered by constrained decoding over "
-    "a label trie; TRL has no such rollout, so the icrl side here is the token-mode generation "
-    "(rollout.generate_rollouts) with the stream-mode GRPO objective functions (objectives.grpo_advantages, "
-    "grpo_loss, k3_kl) and update loop (ppo.minibatch_epochs).",
-    "Loss: TRL loss_type='grpo' (per-sequence token mean, then batch mean), scale_rewards='group' (std unbiased, "
-    "eps 1e-4), epsilon=epsilon_high=0.2, beta k3 KL to the adapter-disabled model: the same formulas as icrl's "
-    "grpo_advantages/grpo_loss. One difference: TRL adds beta*KL per token inside the sequence mean, icrl adds "
-    "beta * (token mean of KL over the batch) (as stream_rl does); identical work, slightly different weighting.",
-    "pi_old: one iteration per generation on both sides, so neither recomputes old log-probs (TRL uses the "
-    "detached current log-probs, icrl the sampling log-probs recorded at generation); both run one reference "
-    "forward (adapter disabled) and one training forward/backward over all G*prompts sequences.",
+    ("Rollout: both sides free-generate up to max_new_tokens tokens per completion (stop at end of turn/EOS), "
+     "G completions per prompt, full-vocabulary sampling at the same temperature (TRL top_k=0, top_p=1). The "
+     "pipeline's own GRPO (ppo.mode: stream) rolls out in-context RL streams answered by constrained decoding over "
+     "a label trie; TRL has no such rollout, so the icrl side here is the token-mode generation "
+     "(rollout.generate_rollouts) with the stream-mode GRPO objective functions (objectives.grpo_advantages, "
+     "grpo_loss, k3_kl) and update loop (ppo.minibatch_epochs)."),
+    ("Loss: TRL loss_type='grpo' (per-sequence token mean, then batch mean), scale_rewards='group' (std unbiased, "
+     "eps 1e-4), epsilon=epsilon_high=0.2, beta k3 KL to the adapter-disabled model: the same formulas as icrl's "
+     "grpo_advantages/grpo_loss. One difference: TRL adds beta*KL per token inside the sequence mean, icrl adds "
+     "beta * (token mean of KL over the batch) (as stream_rl does); identical work, slightly different weighting."),
+    ("pi_old: one iteration per generation on both sides, so neither recomputes old log-probs (TRL uses the "
+     "detached current log-probs, icrl the sampling log-probs recorded at generation); both run one reference "
+     "forward (adapter disabled) and one training forward/backward over all G*prompts sequences."),
     "Optimizer: AdamW lr 1e-5 constant, weight decay 0, grad-norm clip 1.0 on both.",
-    "TRL gradient checkpointing is off (its default is on) so both sides keep activations; TRL generates with "
-    "transformers generate() on the PEFT model, icrl with its own batched KV-cache loop.",
-    "Completions are sampled, so lengths and rewards differ between sides; tokens/s normalizes by the tokens "
-    "each side actually generated and trained on. CPU timings on a shared 2-core machine are noisy.",
+    ("TRL gradient checkpointing is off (its default is on) so both sides keep activations; TRL generates with "
+     "transformers generate() on the PEFT model, icrl with its own batched KV-cache loop."),
+    ("Completions are sampled, so lengths and rewards differ between sides; tokens/s normalizes by the tokens "
+     "each side actually generated and trained on. CPU timings on a shared 2-core machine are noisy."),
 ]
 
 
@@ -219,18 +214,10 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-    results = []
-    for variant in VARIANTS:
-        command = [sys.executable, __file__, "--variant", variant, "--prompts", str(args.prompts), "--group-size",
-                   str(args.group_size), "--max-new-tokens", str(args.max_new_tokens), "--temperature",
-                   str(args.temperature), "--beta", str(args.beta), "--dtype", args.dtype, "--threads",
-                   str(args.threads)]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            results.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    results = run_variants(__file__, VARIANTS, [
+        "--prompts", str(args.prompts), "--group-size", str(args.group_size), "--max-new-tokens",
+        str(args.max_new_tokens), "--temperature", str(args.temperature), "--beta", str(args.beta), "--dtype",
+        args.dtype, "--threads", str(args.threads)])
     by_name = {r["variant"]: r for r in results if "error" not in r}
     ratio = {}
     if len(by_name) == 2:

@@ -35,8 +35,8 @@ VARIANTS = ("icrl", "icrl_demo", "trl_rloo")
 
 def prompts_and_episodes(n_prompts: int, max_new_tokens: int):
     """n_prompts keyword_map episodes (k=3, n=1) and their rendered ICRL prompts (ids and text)."""
-    from icrl_core.model import load_base_model
     from icrl_core.chat import Tokens
+    from icrl_core.model import load_base_model
     from icrl_core.rollout import EpisodeDialogue
     from tests.ppo_helpers import keyword_episodes
 
@@ -55,6 +55,48 @@ def rss_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
+
+
+def trl_model(dtype: str):
+    """(tokenizer, model) of SmolLM2-135M-Instruct as a transformers folder materialized by icrl (TRL's input)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from icrl_core.model import materialize_gguf, packaged_gguf
+
+    folder = materialize_gguf(packaged_gguf())
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.padding_side = "left"
+    return tokenizer, AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+
+
+def step_timer(step_times: list, counted: dict):
+    """A TrainerCallback appending (seconds of the step, a copy of `counted`) to `step_times` at each step's end."""
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            step_times.append((time.perf_counter() - self.started, dict(counted)))
+
+    return Timer()
+
+
+def run_variants(script: str, variants, flags: list[str]) -> list[dict]:
+    """Run `script --variant V *flags` for each variant in its own subprocess (a clean peak RSS each); their
+    JSON results, or {"variant", "error"} for one that failed."""
+    results = []
+    for variant in variants:
+        done = subprocess.run([sys.executable, script, "--variant", variant, *flags], capture_output=True,
+                              text=True, cwd=ROOT, check=False)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            results.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
+            continue
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
 
 
 def run_icrl(args, demo: bool) -> dict:
@@ -91,19 +133,12 @@ def run_icrl(args, demo: bool) -> dict:
 
 
 def run_trl(args) -> dict:
-    import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from icrl_core.model import materialize_gguf, packaged_gguf
-
     episodes, _, texts = prompts_and_episodes(args.prompts, args.max_new_tokens)
-    folder = materialize_gguf(packaged_gguf())
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype))
+    tokenizer, model = trl_model(args.dtype)
     after_load = rss_mb()
     labels = [ep.queries[0].preferred_answer for ep in episodes]
     dataset = Dataset.from_list([{"prompt": t, "label": lb} for t, lb in zip(texts, labels)] * 4)
@@ -115,14 +150,6 @@ def run_trl(args) -> dict:
         return [1.0 if c.strip() == lb else 0.0 for c, lb in zip(completions, label)]
 
     step_times: list[tuple[float, dict]] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            step_times.append((time.perf_counter() - self.started, dict(counted)))
-
     batch = args.prompts * args.samples
     config = RLOOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, bf16=False, fp16=False,
@@ -135,7 +162,8 @@ def run_trl(args) -> dict:
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = RLOOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, peft_config=lora, callbacks=[Timer()])
+                          processing_class=tokenizer, peft_config=lora,
+                          callbacks=[step_timer(step_times, counted)])
     trainer.train()
     seconds, count = step_times[-1]
     return {"variant": "trl_rloo", "seconds": seconds, "prompt_tokens": count["prompt"],
@@ -171,19 +199,12 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-    results = []
-    for variant in VARIANTS:
-        command = [sys.executable, __file__, "--variant", variant, "--prompts", str(args.prompts), "--samples",
-                   str(args.samples), "--max-new-tokens", str(args.max_new_tokens), "--temperature",
-                   str(args.temperature), "--kl-beta", str(args.kl_beta), "--dtype", args.dtype]
-        if args.trl_gradient_checkpointing:
-            command.append("--trl-gradient-checkpointing")
-        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            results.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    flags = ["--prompts", str(args.prompts), "--samples", str(args.samples), "--max-new-tokens",
+             str(args.max_new_tokens), "--temperature", str(args.temperature), "--kl-beta", str(args.kl_beta),
+             "--dtype", args.dtype]
+    if args.trl_gradient_checkpointing:
+        flags.append("--trl-gradient-checkpointing")
+    results = run_variants(__file__, VARIANTS, flags)
     by_name = {r["variant"]: r for r in results if "error" not in r}
     ratio = {}
     if "icrl" in by_name and "trl_rloo" in by_name:

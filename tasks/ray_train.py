@@ -1,15 +1,16 @@
 """Training stages as Ray Train jobs.
 
 `run_ray_training(config, stage, train_worker)` runs the stage's loop in `TorchTrainer` workers:
-`ScalingConfig(num_workers=ray.num_workers, use_gpu=...)`, torch.distributed over NCCL when the workers have GPUs
-and gloo on CPUs (`ray_devices`; the loops average gradients with `icrl_core.distributed`), `FailureConfig(max_failures=ray.max_failures)`: when a worker
-dies, Ray restarts the worker group and the loop resumes from the last checkpoint reported through
-`ray.train.report` (`ray.train.get_checkpoint()`).
+`ScalingConfig(num_workers=ray.num_workers, use_gpu=...)`, torch.distributed over NCCL when the workers have
+GPUs and gloo on CPUs (`ray_devices`; the loops average gradients with `icrl_core.distributed`),
+`FailureConfig(max_failures=ray.max_failures)`: when a worker dies, Ray restarts the worker group and the loop
+resumes from the last checkpoint reported through `ray.train.report` (`ray.train.get_checkpoint()`).
 
 Local Ray by default (started on 127.0.0.1 with `ray.num_cpus` CPUs and no dashboard); an existing cluster when
 `ray.address` is set. The code reaches a cluster's workers in the job's runtime_env (`code_runtime_env`:
 icrl_core, tasks and flows as py_modules), so the workers need the project's dependencies (the Docker image),
-not a copy of the project at the driver's path. Each job gets a unique run name, so Ray never silently resumes an older run.
+not a copy of the code at the driver's path (docs/DEPLOYMENT.md). Each job gets a unique run name, so Ray never
+silently resumes an older run.
 """
 
 from __future__ import annotations

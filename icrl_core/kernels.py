@@ -133,7 +133,11 @@ def clone_cache_prefix(policy, cache, length: int):
 def model_forward(policy, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None = None,
                   ) -> torch.Tensor:
     """One pass of the backbone appending `ids` (1, n) at `positions` (1, n) to `cache`; final hidden states (n, H).
-    `mask` (1, 1, n, P + n) bool: which cached and new positions each new token sees (None: causal)."""
+    `mask` (1, 1, n, P + n) bool: which cached and new positions each new token sees (None: causal). Inputs
+    are built on the CPU and moved to the policy's device here."""
+    device = policy.device
+    ids, positions = ids.to(device), positions.to(device)
+    mask = mask.to(device) if mask is not None else None
     out = policy.causal_lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                  use_cache=True)
     return out.last_hidden_state[0]
@@ -299,21 +303,23 @@ class TreeScorer:
         flat = torch.cat(self.hidden, dim=0) if len(self.hidden) > 1 else self.hidden[0]
         if len(self.hidden) > 1:
             self.hidden = [flat]
-        return flat[torch.as_tensor(list(nodes), dtype=torch.long)]
+        return flat[torch.as_tensor(list(nodes), dtype=torch.long, device=flat.device)]
 
     @torch.no_grad()
     def candidate_logits(self, nodes: Sequence[int], candidates: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Next-token logits at each node, only for its candidate token ids: logits[k] = h_node . W[cand_k] (+ b).
-        The LM head over the whole vocabulary (49k x H per position) is never computed."""
+        The LM head over the whole vocabulary (49k x H per position) is never computed. Returned on the CPU."""
         rows = self.hidden_rows(nodes)                         # (n, H)
         head = self.policy.causal_lm.lm_head
-        flat = [c for cands in candidates for c in cands]
-        weight = head.weight[torch.as_tensor(flat, dtype=torch.long)]  # (sum k, H)
-        owner = torch.repeat_interleave(torch.arange(len(nodes)), torch.tensor([len(c) for c in candidates]))
+        device = head.weight.device
+        flat = torch.as_tensor([c for cands in candidates for c in cands], dtype=torch.long, device=device)
+        weight = head.weight[flat]  # (sum k, H)
+        owner = torch.repeat_interleave(torch.arange(len(nodes), device=device),
+                                        torch.tensor([len(c) for c in candidates], device=device))
         logits = (rows[owner].to(weight.dtype) * weight).sum(-1).float()  # (sum k,)
         if getattr(head, "bias", None) is not None:
-            logits = logits + head.bias[torch.as_tensor(flat, dtype=torch.long)].float()
-        return list(torch.split(logits, [len(c) for c in candidates]))
+            logits = logits + head.bias[flat].float()
+        return list(torch.split(logits.cpu(), [len(c) for c in candidates]))
 
 
 def chain_nodes(token_ids: Sequence[int], first_id: int, parent: int = -1) -> list[tuple[int, int]]:

@@ -29,6 +29,7 @@ from torch import nn
 from icrl_core.adapter_format import load_safetensors, saved_adapter  # noqa: F401 (saved_adapter: re-export)
 from icrl_core.chat import Tokens
 from icrl_core.config import Adapter, FrozenAdapter, LastBlocksAdapter, LoraAdapter
+from icrl_core.device import module_device, resolve_device
 from icrl_core.errors import CheckpointError, UserError
 from icrl_core.io import atomic_dir, atomic_write_bytes, sha256_file
 
@@ -155,7 +156,7 @@ def resolve_spec(spec: str, cache_dir: Path | None = None) -> tuple[str, Path | 
 
 
 def load_base_model(spec: str, dtype: str = "float32", cache_dir: Path | None = None, seed: int = 0):
-    """(model, tokenizer) for a spec, in eval mode, all parameters frozen."""
+    """(model, tokenizer) for a spec, on the CPU, in eval mode, all parameters frozen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     kind, where = resolve_spec(spec, cache_dir)
@@ -235,6 +236,11 @@ class Policy:
     @property
     def config(self):
         return self.causal_lm.config
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: batches are moved here before a forward pass."""
+        return module_device(self.model)
 
     @property
     def context_window(self) -> int:
@@ -324,7 +330,12 @@ class Policy:
 
         `logits_at` (bool mask (B, T)) computes the vocabulary projection only where it is needed: the LM head
         over 49k tokens is a large share of a small model's compute. Then logits has shape (N, V) for the N
-        selected positions; otherwise (B, T, V)."""
+        selected positions; otherwise (B, T, V). Inputs are moved to the policy's device (no-op on the CPU)."""
+        device = self.device
+        input_ids = input_ids.to(device)
+        attention_mask = attention_mask.to(device) if attention_mask is not None else None
+        logits_at = logits_at.to(device) if logits_at is not None else None
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = out.last_hidden_state
         selected = hidden[logits_at] if logits_at is not None else hidden
@@ -340,6 +351,15 @@ class Policy:
 
     def eval(self) -> Policy:
         return self.train(False)
+
+    def to(self, device: torch.device | str) -> Policy:
+        """Move the weights, the value head and the reference copies of trained blocks to `device`."""
+        self.model.to(device)
+        if self.value_head is not None:
+            self.value_head.to(device)
+        for block in self._frozen_blocks.values():
+            block.to(device)
+        return self
 
 
 def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, dict[int, nn.Module]]:
@@ -369,8 +389,9 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, dict[i
 
 def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | None = None,
                 value_head: bool = False, cache_dir: Path | None = None, seed: int = 0,
-                init_adapter: Path | None = None) -> Policy:
-    """Load a policy. `adapter` defaults to no trainable part (evaluation)."""
+                init_adapter: Path | None = None, device: str = "auto") -> Policy:
+    """Load a policy onto `device` (`resolve_device`). `adapter` defaults to no trainable part (evaluation).
+    Everything is built and seeded on the CPU, then moved: the same initial numbers on every device."""
     adapter = adapter or FrozenAdapter()
     base, tokenizer = load_base_model(spec, dtype, cache_dir, seed)
     with torch.random.fork_rng(devices=[]):
@@ -381,6 +402,7 @@ def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | 
                     _frozen_blocks=frozen)
     if init_adapter is not None:
         policy.load_adapter(init_adapter)
+    policy.to(resolve_device(device))
     policy.eval()
     return policy
 
@@ -395,4 +417,4 @@ def policy_from_config(model_config, value_head: bool = False, seed: int = 0, ad
     if adapter is None:
         adapter = (saved_adapter(init_adapter) if init_adapter is not None else None) or model_config.adapter
     return load_policy(model_config.spec, model_config.dtype, adapter, value_head,
-                       model_config.cache_dir, seed, init_adapter)
+                       model_config.cache_dir, seed, init_adapter, model_config.device)

@@ -247,15 +247,17 @@ def policy_outputs(policy, batch: PPOBatch, temperature: float, with_values: boo
     predicts_action[:, :-1] = batch.action_positions[:, 1:]
     logits, values, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=predicts_action,
                                        with_values=with_values)
-    actions = batch.input_ids[batch.action_positions]                          # (N,)
+    # The per-action results (N,) come back to the CPU, where the losses on them run (autograd carries the
+    # gradient back to the device): the heavy pass runs on the policy's device, the PPO code is device-free.
+    actions = batch.input_ids[batch.action_positions].to(logits.device)       # (N,)
     logp = torch.zeros(batch.action_mask.shape, dtype=torch.float32)
     entropy = torch.zeros(batch.action_mask.shape, dtype=torch.float32)
-    logp = logp.masked_scatter(batch.action_mask, token_logprobs(logits, actions, temperature))
-    entropy = entropy.masked_scatter(batch.action_mask, entropy_from_logits(logits, temperature))
+    logp = logp.masked_scatter(batch.action_mask, token_logprobs(logits, actions, temperature).cpu())
+    entropy = entropy.masked_scatter(batch.action_mask, entropy_from_logits(logits, temperature).cpu())
     value = None
     if values is not None:
         value = torch.zeros(batch.action_mask.shape, dtype=torch.float32)
-        value = value.masked_scatter(batch.action_mask, values[predicts_action].float())
+        value = value.masked_scatter(batch.action_mask, values[predicts_action.to(values.device)].float().cpu())
     return logp, entropy, value
 
 

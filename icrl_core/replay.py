@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from icrl_core.chat import chat_prompt_ids
+from icrl_core.device import to_device
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_text
 from icrl_core.supervised import kl_policy_base, pad_sequences
@@ -72,7 +73,8 @@ def sample_replies(policy, prompts: Sequence[str], max_new_tokens: int, temperat
                 width = max(len(e) for e in encoded)
                 ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])  # left padding for generate
                 attention = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-                generated = policy.model.generate(input_ids=ids, attention_mask=attention, do_sample=True,
+                generated = policy.model.generate(input_ids=ids.to(policy.device),
+                                                  attention_mask=attention.to(policy.device), do_sample=True,
                                                   temperature=temperature, top_k=0, top_p=1.0,
                                                   max_new_tokens=max_new_tokens, eos_token_id=eot,
                                                   pad_token_id=pad)
@@ -125,6 +127,7 @@ def pad_replay(sequences: Sequence[ReplaySequence], pad_id: int) -> ReplayBatch:
 
 def replay_kl(policy, batch: ReplayBatch) -> torch.Tensor:
     """KL_t(pi || pi_base) at every reply position of the batch (supervised.kl_policy_base). -> (N,)"""
+    batch = to_device(batch, policy.device)
     logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)
     with torch.no_grad(), policy.reference():
         base_logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)

@@ -57,14 +57,15 @@ class RewardModel:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 head = ValueHead(policy.config.hidden_size)
-        self.head = head
+        self.head = head.to(policy.device)
 
     @property
     def pad_id(self) -> int:
         return self.policy.tokenizer.pad_token_id
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask: (B, T), right-padded. -> rewards (B,) float32."""
+        """input_ids, attention_mask: (B, T), right-padded. -> rewards (B,) float32 (on the policy's device)."""
+        input_ids, attention_mask = input_ids.to(self.policy.device), attention_mask.to(self.policy.device)
         hidden = self.policy.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         last = attention_mask.long().sum(dim=1) - 1  # (B,) index of the last real token
         h_last = hidden[torch.arange(hidden.shape[0]), last]  # (B, H)
@@ -84,7 +85,7 @@ class RewardModel:
             ids, attention = pad_sequences(sequences[start:start + batch_size], self.pad_id)
             out.append(self.forward(ids, attention))
         self.train(was_training)
-        return torch.cat(out) if out else torch.zeros(0)
+        return torch.cat(out).cpu() if out else torch.zeros(0)
 
     def backbone_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.policy.model.parameters() if p.requires_grad]
@@ -120,7 +121,8 @@ def new_reward_model(model_config: ModelConfig, init_adapter: Path | None, seed:
     """A reward model to train: `model_config.spec` with `model_config.adapter` (weights from `init_adapter`,
     e.g. the bootstrap output, or fresh) and a new head."""
     policy = load_policy(model_config.spec, model_config.dtype, model_config.adapter, value_head=False,
-                         cache_dir=model_config.cache_dir, seed=seed, init_adapter=init_adapter)
+                         cache_dir=model_config.cache_dir, seed=seed, init_adapter=init_adapter,
+                         device=model_config.device)
     return RewardModel(policy, seed=seed)
 
 
@@ -187,7 +189,7 @@ def load_reward_model(folder: Path | str, model_config: ModelConfig) -> RewardMo
     except (KeyError, ValidationError) as exc:
         raise CheckpointError(f"{folder / META_FILE}: bad adapter description ({exc})") from None
     policy = load_policy(model_config.spec, model_config.dtype, adapter, value_head=False,
-                         cache_dir=model_config.cache_dir)
+                         cache_dir=model_config.cache_dir, device=model_config.device)
     policy.load_trainable_state_dict(load_safetensors(folder / ADAPTER_FILE), str(folder / ADAPTER_FILE))
     head = ValueHead.load(folder / HEAD_FILE)
     if head.linear.weight.shape[1] != policy.config.hidden_size:

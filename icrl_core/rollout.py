@@ -237,7 +237,7 @@ class BatchedCache:
     @torch.no_grad()
     def feed(self, rows_ids: Sequence[Sequence[int]], logits: bool = True) -> torch.Tensor:
         """Feed each row its ids; return, for each row that got ids (in row order), the next-token logits (R, V)
-        at its last new token, or its final hidden state (R, H) with `logits=False`."""
+        at its last new token, or its final hidden state (R, H) with `logits=False`, on the CPU."""
         width = max(len(ids) for ids in rows_ids)
         block = torch.full((self.batch, width), self.pad, dtype=torch.long)
         block_mask = torch.zeros((self.batch, width), dtype=torch.long)
@@ -252,7 +252,8 @@ class BatchedCache:
         out, _, hidden = self.policy.forward(block, self.attention, logits_at=last if logits else torch.zeros_like(last),
                                              position_ids=positions, past_key_values=self.cache, use_cache=True)
         self.n_real.add_(block_mask.sum(1))
-        return out if logits else hidden[last]
+        # Back on the CPU: sampling uses the seeded CPU generator, so the draws are the same on every device.
+        return (out if logits else hidden[last.to(hidden.device)]).cpu()
 
 
 @torch.no_grad()

@@ -148,7 +148,9 @@ class Stream:
 
 def restricted_logits(head, rows: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     """LM-head logits of the candidate tokens only: out[n, k] = h_n . W[candidates[n, k]] (+ b).
-    rows (N, H), candidates (N, K) long -> (N, K) float32. The 49k-token head is never computed."""
+    rows (N, H), candidates (N, K) long -> (N, K) float32 on the head's device. The 49k-token head is never
+    computed."""
+    rows, candidates = rows.to(head.weight.device), candidates.to(head.weight.device)
     weight = head.weight[candidates]                                   # (N, K, H)
     logits = (rows[:, None, :].to(weight.dtype) * weight).sum(-1).float()
     if getattr(head, "bias", None) is not None:
@@ -207,7 +209,7 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
                 width = max(len(k) for k in kids)
                 cand = torch.tensor([[trie.token[c] for c in k] + [trie.token[k[0]]] * (width - len(k))
                                      for k in kids], dtype=torch.long)
-                logits = restricted_logits(head, hidden[branching], cand)
+                logits = restricted_logits(head, hidden[branching], cand).cpu()
                 for g, ks, row in zip(branching, kids, logits):
                     values = row[:len(ks)].double().numpy()
                     pick = sample_child(values, temperature, rngs[g])
@@ -329,10 +331,14 @@ def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: 
     empty = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
     _, values, hidden = policy.forward(batch.input_ids, batch.attention_mask, logits_at=empty,
                                        with_values=with_values)
-    rows = hidden.gather(1, batch.positions[:, :, None].expand(-1, -1, hidden.shape[-1]))  # (B, A, H)
+    positions = batch.positions.to(hidden.device)
+    rows = hidden.gather(1, positions[:, :, None].expand(-1, -1, hidden.shape[-1]))  # (B, A, H)
     n_batch, n_actions, width = batch.candidates.shape
+    # The per-decision logits (B, A, K) come back to the CPU, where the losses on them run (autograd carries the
+    # gradient back to the device): the heavy pass runs on the policy's device, the RL code is device-free.
     logits = restricted_logits(policy.causal_lm.lm_head, rows.reshape(n_batch * n_actions, -1),
-                               batch.candidates.reshape(n_batch * n_actions, width)).view(n_batch, n_actions, width)
+                               batch.candidates.reshape(n_batch * n_actions, width)).cpu()
+    logits = logits.view(n_batch, n_actions, width)
     logits = (logits / temperature).masked_fill(~batch.candidate_mask, float("-inf"))
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, batch.chosen[:, :, None]).squeeze(-1)
@@ -341,7 +347,7 @@ def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: 
     maskf = batch.action_mask.to(logp.dtype)
     value = None
     if values is not None:
-        value = values.gather(1, batch.value_positions) * batch.step_mask.to(values.dtype)
+        value = values.cpu().gather(1, batch.value_positions) * batch.step_mask.to(values.dtype)
     return logp * maskf, entropy * maskf, value
 
 

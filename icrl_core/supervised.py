@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from icrl_core import distributed
 from icrl_core.checkpoint import TrainingState, capture_rng, restore_rng
+from icrl_core.device import to_device
 from icrl_core.errors import UserError
 from icrl_core.tokenized import TokenizedEpisode
 
@@ -241,6 +242,7 @@ def bootstrap_micro_step(policy, batch: EpisodeBatch, kl_beta: float, n_tokens: 
                          backward: bool = True) -> dict[str, float]:
     """Forward the policy (and, when kl_beta > 0, the reference policy) on one micro-batch; backpropagate
     `scale * bootstrap_objective`. Returns sums over this micro-batch divided by n_tokens (times scale)."""
+    batch = to_device(batch, policy.device)
     predict_at = batch.predict_at
     logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=predict_at)  # (N, V)
     ce = masked_token_cross_entropy(logits, batch.targets)
@@ -290,7 +292,7 @@ def query_accuracy(correct: torch.Tensor, query_ids: torch.Tensor, n_queries: in
     correct: (N,) 0/1 per target token; query_ids: (N,) query index per token (-1: not a query answer).
     -> (n_queries,) long."""
     keep = query_ids >= 0
-    per_query = torch.ones(n_queries, dtype=torch.long)
+    per_query = torch.ones(n_queries, dtype=torch.long, device=correct.device)
     return per_query.scatter_reduce_(0, query_ids[keep], correct[keep].long(), reduce="amin")
 
 
@@ -303,7 +305,7 @@ def evaluate_bootstrap(policy, rows: Sequence[TokenizedEpisode], batch_size: int
     mine = distributed.shard(list(rows))
     sums = {"ce": 0.0, "kl": 0.0, "tokens": 0.0, "correct": 0.0, "queries": 0.0}
     for part in chunks(mine, batch_size):
-        batch = pad_episodes(part, pad)
+        batch = to_device(pad_episodes(part, pad), policy.device)
         predict_at = batch.predict_at
         logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=predict_at)
         targets = batch.targets

@@ -323,11 +323,16 @@ def adapter_digest(adapter: Path) -> str:
 
 
 def _model_identity(config: PipelineConfig) -> dict:
-    """The model settings a result depends on: the dtype as resolved on this machine, and a trained adapter by
-    its content rather than its path."""
+    """The model settings a result depends on: the dtype and device as resolved on this machine, and a trained
+    adapter by its content rather than its path. A CPU run leaves the device out: its identity is the one it
+    had before `model.device` existed, so earlier results stay valid."""
+    from icrl_core.device import resolve_device
     from icrl_core.model import resolve_dtype
 
     identity = {**config.model.model_dump(mode="json"), "dtype": resolve_dtype(config.model.dtype)}
+    device = resolve_device(identity.pop("device")).type
+    if device != "cpu":
+        identity["device"] = device
     if config.model.init_adapter is not None:
         identity["init_adapter"] = adapter_digest(config.model.init_adapter)
     return identity

@@ -1,13 +1,16 @@
 """Training stages as Ray Train jobs.
 
 `run_ray_training(config, stage, train_worker)` runs the stage's loop in `TorchTrainer` workers:
-`ScalingConfig(num_workers=ray.num_workers, use_gpu=auto)`, torch.distributed over gloo on CPU (the loops
-average gradients with `icrl_core.distributed`), `FailureConfig(max_failures=ray.max_failures)`: when a worker
-dies, Ray restarts the worker group and the loop resumes from the last checkpoint reported through
-`ray.train.report` (`ray.train.get_checkpoint()`).
+`ScalingConfig(num_workers=ray.num_workers, use_gpu=...)`, torch.distributed over NCCL when the workers have
+GPUs and gloo on CPUs (`ray_devices`; the loops average gradients with `icrl_core.distributed`),
+`FailureConfig(max_failures=ray.max_failures)`: when a worker dies, Ray restarts the worker group and the loop
+resumes from the last checkpoint reported through `ray.train.report` (`ray.train.get_checkpoint()`).
 
 Local Ray by default (started on 127.0.0.1 with `ray.num_cpus` CPUs and no dashboard); an existing cluster when
-`ray.address` is set. Each job gets a unique run name, so Ray never silently resumes an older run.
+`ray.address` is set. The code reaches a cluster's workers in the job's runtime_env (`code_runtime_env`:
+icrl_core, tasks and flows as py_modules), so the workers need the project's dependencies (the Docker image),
+not a copy of the code at the driver's path (docs/DEPLOYMENT.md). Each job gets a unique run name, so Ray never
+silently resumes an older run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
+from icrl_core.device import collective_backend, select_device
+from icrl_core.errors import UserError
 from tasks.settings import PipelineConfig, RayConfig
 from tasks.env import DEFAULTS as ENV_DEFAULTS
 
@@ -27,6 +32,34 @@ log = logging.getLogger(__name__)
 
 RAY_DIR = Path(".icrl")
 FINAL_KEY = "icrl_final_metrics"
+# What a cluster's workers import from the job's runtime_env, and what is never uploaded with it.
+SHIPPED_PACKAGES = ("icrl_core", "tasks", "flows")
+SHIP_EXCLUDES = ["__pycache__", "*.pyc", "artifacts", ".venv", ".git", "mlruns", "mlartifacts", ".icrl", ".dvc"]
+
+
+def code_runtime_env() -> dict:
+    """runtime_env entries that ship the project's packages, as this driver imports them, to every worker of
+    the job (Ray zips each folder once, keyed by its content, and puts it first on the workers' sys.path)."""
+    import importlib
+
+    folders = [str(Path(importlib.import_module(name).__file__).parent) for name in SHIPPED_PACKAGES]
+    return {"py_modules": folders, "excludes": list(SHIP_EXCLUDES)}
+
+
+def ships_code(cfg: RayConfig) -> bool:
+    return bool(cfg.address) if cfg.ship_code == "auto" else bool(cfg.ship_code)
+
+
+def ray_devices(use_gpu: str | bool, model_device: str, cluster_gpus: float) -> tuple[bool, str]:
+    """(one GPU per worker?, torch.distributed backend) of a Ray Train job, from `ray.use_gpu`, `model.device`
+    and the cluster's GPU count. A worker sees a GPU only when it is given one, so its device is
+    select_device(model.device, use_gpu), and the backend matches it: NCCL on GPUs, gloo on CPUs."""
+    if use_gpu == "auto":
+        use_gpu = cluster_gpus > 0 and model_device != "cpu"
+    if use_gpu and cluster_gpus <= 0:
+        raise UserError("ray.use_gpu=true but the Ray cluster has no GPU; use ray.use_gpu=auto or false")
+    device = select_device(model_device, cuda_available=bool(use_gpu))
+    return bool(use_gpu), collective_backend(device)
 
 
 def ensure_ray(cfg: RayConfig) -> None:
@@ -36,7 +69,7 @@ def ensure_ray(cfg: RayConfig) -> None:
     if ray.is_initialized():
         return
     env_vars = {k: os.environ.get(k, v) for k, v in ENV_DEFAULTS.items()}
-    runtime_env = {"env_vars": env_vars}
+    runtime_env = {"env_vars": env_vars, **(code_runtime_env() if ships_code(cfg) else {})}
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=runtime_env, logging_level=logging.WARNING)
         return
@@ -52,14 +85,6 @@ def ensure_ray(cfg: RayConfig) -> None:
              logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
              _temp_dir=str(temp_dir), runtime_env=runtime_env, logging_level=logging.WARNING,
              log_to_driver=True)
-
-
-def _use_gpu(cfg: RayConfig) -> bool:
-    if cfg.use_gpu == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return bool(cfg.use_gpu)
 
 
 class RayRuntime:
@@ -149,11 +174,14 @@ def _train_loop(loop_config: dict) -> None:
 def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=None) -> dict:
     """Run `train_worker` (a module-level function) as a TorchTrainer job; return rank 0's final metrics."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    import ray
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from tasks.runtime import checkpoint_dir_for
 
     ensure_ray(config.ray)
+    # The cluster's GPUs, not the driver's: a Prefect worker without a GPU drives GPU workers.
+    use_gpu, backend = ray_devices(config.ray.use_gpu, config.model.device, ray.cluster_resources().get("GPU", 0))
     workers = config.ray.num_workers
     cpus_per_worker = max(1, config.ray.num_cpus // workers) if not config.ray.address else 1
     import sys
@@ -174,7 +202,8 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=N
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=_use_gpu(config.ray),
+        torch_config=TorchConfig(backend=backend),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker}),
         run_config=RunConfig(
             name=name,
@@ -183,7 +212,8 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=N
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
     )
-    log.info("Ray Train job %s: %d worker(s), %d CPU each", name, workers, cpus_per_worker)
+    log.info("Ray Train job %s: %d worker(s), %d CPU each, %s, %s", name, workers, cpus_per_worker,
+             "1 GPU each" if use_gpu else "no GPU", backend)
     result = trainer.fit()
     if result.error is not None:
         raise result.error

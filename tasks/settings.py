@@ -53,10 +53,16 @@ class TrackingConfig(Section):
 class RayConfig(Section):
     address: Annotated[str | None, Field(description="Ray cluster address; empty = start a local Ray on "
                                          "127.0.0.1.")] = None
-    num_workers: Annotated[int, Field(ge=1, description="Ray Train workers (DDP with gloo on CPU).")] = 1
+    num_workers: Annotated[int, Field(ge=1, description="Ray Train workers (DDP: NCCL on GPUs, gloo on CPUs).")] = 1
     num_cpus: Annotated[int, Field(ge=1, description="CPUs given to a local Ray.")] = 2
-    use_gpu: Annotated[Literal["auto"] | bool, Field(description="Use GPUs in Ray Train ('auto': if "
-                                                     "available).")] = "auto"
+    use_gpu: Annotated[Literal["auto"] | bool, Field(description="One GPU per Ray Train worker ('auto': when the "
+                                                     "cluster has GPUs and model.device is not cpu). Workers then "
+                                                     "train on CUDA with NCCL, else on CPUs with gloo.")] = "auto"
+    ship_code: Annotated[Literal["auto"] | bool, Field(description="Ship icrl_core, tasks and flows to the Ray "
+                                                       "workers (runtime_env py_modules), so a cluster needs no "
+                                                       "copy of the project at the driver's path. 'auto': when "
+                                                       "ray.address is set; a local Ray imports from the "
+                                                       "driver's path.")] = "auto"
     max_failures: Annotated[int, Field(ge=0, description="Worker failures a Ray Train job survives by "
                                        "restarting from its last checkpoint.")] = 2
     enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = False

@@ -43,15 +43,16 @@ def ragged_forward(policy, passes: list[tuple[torch.Tensor, torch.Tensor, object
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
+    device = policy.device  # inputs are built on the CPU (model_forward moves them the same way)
     masks = []
     for (ids, _, cache, mask), n in zip(passes, sizes):
         if mask is None:
             past = _cache_length(cache)
             mask = torch.ones((1, 1, n, past + n), dtype=torch.bool)
             mask[0, 0, :, past:] = torch.ones((n, n), dtype=torch.bool).tril()
-        masks.append(mask)
-    hidden = model.embed_tokens(torch.cat([ids for ids, _, _, _ in passes], dim=1))   # (1, N, H)
-    positions = torch.cat([pos for _, pos, _, _ in passes], dim=1)
+        masks.append(mask.to(device))
+    hidden = model.embed_tokens(torch.cat([ids for ids, _, _, _ in passes], dim=1).to(device))   # (1, N, H)
+    positions = torch.cat([pos for _, pos, _, _ in passes], dim=1).to(device)
     cos, sin = model.rotary_emb(hidden, position_ids=positions)                       # (1, N, head_dim)
     for layer_index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
         attention = layer.self_attn

@@ -1,4 +1,5 @@
-"""The `torch` inference engine: the exact reference (transformers on the CPU, fp32).
+"""The `torch` inference engine: the exact reference (transformers on `model.device`, fp32; inputs are built on
+the CPU and moved in kernels.model_forward, scores come back to the CPU).
 
 Requests are grouped by model (adapter) and shared context (`shared_length`); each group's context is prepared in
 a pool of key/value caches (kernels.PrefixCache: only tokens after the longest cached prefix are computed) and
@@ -314,7 +315,7 @@ class TorchEngine:
             for continuation, chain in zip(request.continuations, chains):
                 # token t is predicted at its parent: the last prompt token for t = 0, else chain node t - 1
                 at = [row_of[root]] + [row_of[n] for n in chain[:-1]]
-                scores.append(logprobs[at, list(continuation)].double().numpy())
+                scores.append(logprobs[at, list(continuation)].double().cpu().numpy())
             out.append(scores)
         return out
 

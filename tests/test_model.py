@@ -229,4 +229,4 @@ def test_model_interpolate_cli_writes_the_interpolated_adapter(tmp_path):
     assert saved_adapter(tmp_path / "half") == LoraAdapter(rank=4, alpha=8)
     missing = run_cli("model", "interpolate", str(tmp_path / "nowhere"), "--scale", "0.5", "--output",
                       str(tmp_path / "x"), "--spec", "tiny", cwd=tmp_path)
-    assert missing.returncode == 2 and "no saved adapter" in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

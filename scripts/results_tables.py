@@ -1,0 +1,264 @@
+"""Result tables of the README and docs, generated from the JSON files the runs and benchmarks wrote.
+
+    python scripts/results_tables.py            # rewrite every generated block in place
+    python scripts/results_tables.py --check    # exit 1 if a block is stale (a test runs this)
+
+A generated block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->` in a Markdown file; its
+content is replaced by `BLOCKS[NAME]()`. Numbers live in the JSON files (bench/results/*.json, the experiments'
+results.json, docs/results/*.json), never typed into the Markdown, so tables cannot drift from what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.md", ROOT / "docs" / "BENCHMARKS.md",
+             ROOT / "docs" / "REPRODUCIBILITY.md"]
+BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
+
+
+def _json(relative: str) -> dict:
+    return json.loads((ROOT / relative).read_text(encoding="utf-8"))
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _signed(value: float, digits: int = 3) -> str:
+    return f"{value:+.{digits}f}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The in-context RL skill experiment (experiments/icrl_skill/results.json)
+
+
+def _runs(results: dict, model: str, strategy: str) -> dict[int, dict]:
+    return {run["seed"]: run for run in results["runs"] if run["model"] == model and run["strategy"] == strategy}
+
+
+def _final(run: dict) -> float:
+    return run["test_accuracy"]["999"]
+
+
+def skill_headline() -> str:
+    """Step-999 test accuracy per model and strategy over the seeds, and the gain over the model's zero-shot."""
+    results = _json("experiments/icrl_skill/results.json")
+    rows = []
+    for model in ("base", "trained"):
+        zero = _runs(results, model, "zero_shot")
+        for strategy in ("zero_shot", "naive", "explorative"):
+            runs = _runs(results, model, strategy)
+            if not runs:
+                continue
+            finals = [_final(runs[s]) for s in sorted(runs)]
+            gains = [_final(runs[s]) - _final(zero[s]) for s in sorted(runs) if s in zero]
+            rows.append([model, strategy.replace("_", "-"), ", ".join(str(s) for s in sorted(runs)),
+                         " / ".join(_fmt(f) for f in finals), _fmt(statistics.mean(finals)),
+                         "-" if strategy == "zero_shot" else _signed(statistics.mean(gains))])
+    return _table(["model", "strategy", "seeds", "test accuracy at step 999 (per seed)", "mean",
+                   "mean gain over own zero-shot"], rows)
+
+
+def skill_curves() -> str:
+    """Every run's test accuracy at each test step."""
+    results = _json("experiments/icrl_skill/results.json")
+    steps = [str(s) for s in results["test_steps"]]
+    rows = []
+    for run in results["runs"]:
+        acc = run["test_accuracy"]
+        rows.append([run["model"], run["strategy"].replace("_", "-"), str(run["seed"])]
+                    + [_fmt(acc.get(s)) for s in steps]
+                    + [_fmt(run.get("train_accuracy")), str(run.get("regret", "-"))])
+    return _table(["model", "strategy", "seed", *(f"step {s}" for s in steps), "train accuracy", "regret"], rows)
+
+
+def skill_forgetting() -> str:
+    f = _json("experiments/icrl_skill/results.json")["forgetting"]
+    low, high = f["probe_change_ci95"]
+    return _table(["measure", "base", "trained", "change"], [
+        [f"forgetting probe ({f['probe_items']} multiple-choice items)", _fmt(f["probe_base"]),
+         _fmt(f["probe_trained"]), f"{f['probe_change'] * 100:+.1f} points (95% CI {low * 100:+.1f}..{high * 100:+.1f})"],
+        [f"greedy general questions ({f['greedy_questions']})", _fmt(f["greedy_base"]), _fmt(f["greedy_trained"]),
+         f"{(f['greedy_trained'] - f['greedy_base']) * 100:+.1f} points"],
+    ])
+
+
+def skill_feedback_probe() -> str:
+    p = _json("experiments/icrl_skill/results.json")["feedback_probe"]
+    return _table([f"p(`{p['target']}`)", *p["columns"]],
+                  [[model, *(_fmt(v) for v in p[model])] for model in ("base", "trained")])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Benchmarks (bench/results/*.json)
+
+
+def bench_eval_speed() -> str:
+    """KV-cache reuse vs recomputing every prompt (bench/icrl_eval_speed.py)."""
+    data = _json("bench/results/icrl_eval_speed.json")
+    rows = []
+    for strategy, s in data["summary"].items():
+        rows.append([strategy, f"{s['speedup_steps_per_s']:.2f}x", f"{s['growing_phase_speedup']:.2f}x",
+                     f"{s['full_phase_speedup']:.2f}x", f"{s['test_eval_speedup']:.2f}x",
+                     "yes" if s["identical_predictions"] else "no"])
+    note = (f"{data['task']}, {data['steps']} steps, {data['context_window']}-token window, {data['dtype']}, "
+            f"{data['threads']} thread per run, measured {data['finished'][:10]}.")
+    return _table(["strategy", "steps/s vs recompute", "while the context grows", "once it is full",
+                   "test evaluation", "identical predictions"], rows) + "\n" + note + "\n"
+
+
+def bench_ppo_vs_trl() -> str:
+    """One policy-optimisation iteration against TRL (bench/ppo_step.py)."""
+    data = _json("bench/results/ppo_step.json")
+    rows = [[r["variant"], r["update"], _fmt(r["seconds"], 2), _fmt(r["tokens_per_second"], 1),
+             f"{r['peak_rss_mb']:.0f}"] for r in data["results"]]
+    ratio = data["ratio"]
+    return (_table(["variant", "update", "s / iteration", "tokens/s", "peak RSS MB"], rows)
+            + f"\nicrl / TRL: tokens/s x{ratio['tokens_per_second_icrl_over_trl']:.2f}, "
+            f"peak RSS x{ratio['peak_rss_icrl_over_trl']:.2f}.\n\n" + bench_grpo_vs_trl())
+
+
+def bench_grpo_vs_trl() -> str:
+    """One GRPO iteration against TRL's GRPOTrainer (bench/grpo_step.py)."""
+    data = _json("bench/results/grpo_step.json")
+    rows = [[r["variant"], _fmt(r["seconds"], 2), str(r["generated_tokens"] + r["trained_tokens"]),
+             _fmt(r["tokens_per_second"], 1), f"{r['peak_rss_mb']:.0f}"] for r in data["results"]]
+    ratio = data["ratio"]
+    return ("GRPO, one iteration (bench/grpo_step.py; method in docs/STREAMS.md):\n\n"
+            + _table(["variant", "s / iteration", "tokens", "tokens/s", "peak RSS MB"], rows)
+            + f"\nicrl / TRL GRPOTrainer: tokens/s x{ratio['tokens_per_second_icrl_over_trl']:.2f}, "
+            f"peak RSS x{ratio['peak_rss_icrl_over_trl']:.2f} (goal {ratio['goal']}: "
+            f"{'met' if ratio['goal_met'] else 'missed'}).\n")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The demo (docs/results/demo.json: what `icrl demo` wrote to metrics/demo.json on a measured run)
+
+
+def _demo() -> dict | None:
+    """docs/results/demo.json, or None while no demo run of the current recipe has been measured."""
+    return _json("docs/results/demo.json") if (ROOT / "docs/results/demo.json").exists() else None
+
+
+def demo_summary() -> str:
+    demo = _demo()
+    if demo is None:
+        return ("No measured run of the current demo recipe is recorded yet (`docs/results/demo.json`): `make demo` "
+                "prints each stage's headline numbers, then base vs trained in-context RL accuracy on the held-out "
+                "rule and the general-ability check, and writes them to `metrics/demo.json`.\n")
+    return ("```\n" + "\n".join(demo["printed"]) + "\n```\n\n"
+            + f"Measured {demo['measured']} at `{demo['commit'][:7]}` on {demo['machine']}; "
+            "`model.dtype` is pinned to float32, so every CPU prints the same numbers.\n")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The README's headline
+
+
+def readme_headline() -> str:
+    skill = _json("experiments/icrl_skill/results.json")
+    demo = (_demo() or {}).get("headline")
+    speed = _json("bench/results/icrl_eval_speed.json")["summary"]
+    trl = _json("bench/results/ppo_step.json")["ratio"]
+    grpo = _json("bench/results/grpo_step.json")["ratio"]
+
+    def mean_final(model: str, strategy: str) -> tuple[float, int]:
+        runs = _runs(skill, model, strategy)
+        return statistics.mean(_final(r) for r in runs.values()), len(runs)
+
+    base_x, n_x = mean_final("base", "explorative")
+    trained_x, _ = mean_final("trained", "explorative")
+    gain = statistics.mean(_final(r) - _final(_runs(skill, "trained", "zero_shot")[s])
+                           for s, r in _runs(skill, "trained", "explorative").items())
+    base_n, n_n = mean_final("base", "naive")
+    trained_n, _ = mean_final("trained", "naive")
+    forgetting = skill["forgetting"]
+    rows = [
+        [f"in-context RL on held-out TREC coarse, explorative, step 999 (mean of {n_x} seeds)", _fmt(base_x),
+         _fmt(trained_x), f"{gain:+.3f} over the trained model's own zero-shot"],
+        [f"in-context RL on held-out TREC coarse, naive, step 999 ({n_n} seed)", _fmt(base_n), _fmt(trained_n),
+         "both collapse onto one label"],
+        [f"forgetting probe ({forgetting['probe_items']} multiple-choice items)", _fmt(forgetting["probe_base"]),
+         _fmt(forgetting["probe_trained"]), f"{forgetting['probe_change'] * 100:+.1f} points (limit 2)"],
+    ]
+    if demo:
+        rows.append([f"demo: {demo['task']}, step {demo['step']}", _fmt(demo["base"]), _fmt(demo["trained"]),
+                     f"{demo['trained'] - demo['base']:+.3f}; general-ability check {_fmt(demo['base_general'])} -> "
+                     f"{_fmt(demo['trained_general'])}"])
+    speed_line = (f"Speed: exact KV-cache reuse runs explorative in-context RL at {speed['explorative']['speedup_steps_per_s']:.2f}x "
+                  f"and naive at {speed['naive']['speedup_steps_per_s']:.2f}x the steps/s of recomputing every prompt "
+                  f"(identical predictions); one policy-optimisation iteration runs at "
+                  f"{trl['tokens_per_second_icrl_over_trl']:.2f}x TRL's tokens/s with {trl['peak_rss_icrl_over_trl']:.2f}x "
+                  f"its peak memory (PPO), and one GRPO iteration at {grpo['tokens_per_second_icrl_over_trl']:.2f}x "
+                  f"TRL GRPOTrainer's tokens/s with {grpo['peak_rss_icrl_over_trl']:.2f}x its peak memory.")
+    return _table(["measure", "base SmolLM2-135M", "trained", "note"], rows) + "\n" + speed_line + "\n"
+
+
+def timings() -> str:
+    data = _json("docs/results/timings.json")
+    rows = [[t["what"], f"{t['minutes']:.1f} min", t["result"], t["date"], f"`{t['commit']}`", t["load"], t["cpu"]]
+            for t in data["timings"]]
+    return _table(["command", "wall time", "result", "date", "commit", "load", "CPU"], rows)
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "timings": timings,
+    "demo-summary": demo_summary,
+    "readme-headline": readme_headline,
+    "skill-headline": skill_headline,
+    "skill-curves": skill_curves,
+    "skill-forgetting": skill_forgetting,
+    "skill-feedback-probe": skill_feedback_probe,
+    "bench-eval-speed": bench_eval_speed,
+    "bench-ppo-vs-trl": bench_ppo_vs_trl,
+}
+
+
+def render(text: str, source: Path) -> str:
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in BLOCKS:
+            raise SystemExit(f"{source}: unknown generated block '{name}' (known: {', '.join(BLOCKS)})")
+        return match.group(1) + BLOCKS[name]() + match.group(4)
+
+    return BLOCK.sub(replace, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated block is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for document in DOCUMENTS:
+        if not document.exists():
+            continue
+        text = document.read_text(encoding="utf-8")
+        new = render(text, document)
+        if new != text:
+            stale.append(document.relative_to(ROOT))
+            if not args.check:
+                document.write_text(new, encoding="utf-8")
+    if args.check and stale:
+        print("stale generated tables in: " + ", ".join(map(str, stale))
+              + " (run python scripts/results_tables.py)", file=sys.stderr)
+        return 1
+    print(("stale: " if args.check else "updated: ") + (", ".join(map(str, stale)) or "nothing"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -618,7 +618,7 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
             metrics.update(result)
         history.append({"step": step, **metrics})
         runtime.report(metrics, step)
-        if step % cfg.save_steps == 0 and step < cfg.max_steps:
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after the last step too
             runtime.save_checkpoint(TrainingState(
                 step=step, tensors=trainable_tensors(policy), optimizer=optimizer.state_dict(),
                 scheduler=scheduler.state_dict(), rng=capture_rng(),

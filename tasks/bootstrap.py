@@ -9,45 +9,12 @@ the curves. Resumes from the last checkpoint after a kill (the runtime finds it)
 
 from __future__ import annotations
 
-import io
-import time
 from pathlib import Path
 
 from tasks.settings import PipelineConfig
 
 STAGE = "bootstrap"
 HEADLINE = ("val_answer_accuracy", "val_kl")  # metrics/bootstrap.json; the rest: output_dir/metrics.json
-
-
-def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]], title: str) -> None:
-    """history.json (one record per step, for `dvc plots`) and curves.png (one panel per group of keys)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from icrl_core.io import atomic_write_bytes, atomic_write_json
-    from icrl_core.supervised import finite
-
-    from tasks.runtime import plot_records
-
-    atomic_write_json(folder / "history.json", plot_records([finite(h) for h in history]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
-    for ax, (name, keys) in zip(axes[0], panels.items()):
-        for key in keys:
-            points = [(h["step"], h[key]) for h in history if h.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith("val_") else None, markersize=3, label=key)
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(folder / "curves.png", buffer.getvalue())
 
 
 def replay_chats(config: PipelineConfig, policy, rank: int) -> tuple[list, list] | None:
@@ -94,14 +61,12 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     train = [r for r in rows if r.split == "train"]
     val = [r for r in rows if r.split == "val"]
     from tasks.runtime import ProgressRuntime
+    from tasks.training import write_history
 
     policy = policy_from_config(config.model, seed=config.seed)
-    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy"))
-    try:
+    with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy")) as progress:
         replay = replay_chats(config, policy, runtime.rank)
         metrics, history = train_bootstrap(policy, train, val, cfg, config.seed, progress, replay=replay)
-    finally:
-        progress.close()
     if runtime.rank == 0:
         out = Path(cfg.output_dir)
         policy.save_adapter(out / "adapter")
@@ -113,18 +78,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 
 
 def run(config: PipelineConfig) -> dict:
-    from icrl_core.io import atomic_write_json
-    from tasks.runtime import launch, write_stage_metrics
-    from tasks.tracking import stage_run
+    from tasks.training import run_training_stage
 
-    started = time.perf_counter()
-    with stage_run(config, STAGE) as tracker:
-        metrics = launch(config, STAGE, train_worker, tracker)
-        metrics["seconds"] = round(time.perf_counter() - started, 2)
-        tracker.log_metrics({"stage_seconds": metrics["seconds"]})
-        out = Path(config.bootstrap.output_dir)
-        atomic_write_json(out / "metrics.json", metrics)
-        tracker.log_artifact(out / "adapter", "adapter")
-        tracker.log_artifact(out / "curves.png")
-    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
-    return metrics
+    return run_training_stage(config, STAGE, train_worker, config.bootstrap.output_dir,
+                              {"adapter": "adapter", "curves.png": None}, HEADLINE)

@@ -163,9 +163,8 @@ class ProgressRuntime:
     def close(self) -> None:
         self._bar.close()
 
+    def __enter__(self) -> ProgressRuntime:
+        return self
 
-def plot_records(records: list[dict]) -> list[dict]:
-    """Records with one set of keys (missing values null): `dvc plots` ignores a list whose records differ,
-    and validation metrics exist only on evaluation steps."""
-    keys = sorted({key for record in records for key in record})
-    return [{key: record.get(key) for key in keys} for record in records]
+    def __exit__(self, *exc) -> None:
+        self.close()

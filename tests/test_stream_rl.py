@@ -136,7 +136,7 @@ class MemoryRuntime:
 def test_stream_training_resumes_exactly(policy):
     """3 iterations uninterrupted (a checkpoint after each, the last one included); then a run killed after its
     second checkpoint and resumed from it: the same history, evaluations and weights."""
-    from icrl_core.ppo import train_ppo
+    from icrl_core.policy_optimization import train_ppo
 
     cfg = PPOConfig(mode="stream", objective={"kind": "grpo"}, max_steps=3, save_steps=1, eval_steps=3,
                     stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=1,

@@ -29,7 +29,8 @@ import torch
 from icrl_core.chat import chat_prompt_ids
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_text
-from icrl_core.supervised import kl_policy_base, pad_sequences
+from icrl_core.batching import pad_sequences
+from icrl_core.objectives import kl_policy_base
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def pad_replay(sequences: Sequence[ReplaySequence], pad_id: int) -> ReplayBatch:
 
 
 def replay_kl(policy, batch: ReplayBatch) -> torch.Tensor:
-    """KL_t(pi || pi_base) at every reply position of the batch (supervised.kl_policy_base). -> (N,)"""
+    """KL_t(pi || pi_base) at every reply position of the batch (objectives.kl_policy_base). -> (N,)"""
     logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)
     with torch.no_grad(), policy.reference():
         base_logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)

@@ -2,7 +2,7 @@
 
 Losses (one function each, formula in the docstring):
 - `masked_token_cross_entropy`: CE_t = -log pi(y_t | x_<t) on answer tokens only.
-- `kl_policy_base`:              KL_t = sum_v pi(v | x_<t) (log pi(v | x_<t) - log pi_base(v | x_<t)).
+- `kl_policy_base` (icrl_core/objectives.py): KL_t = sum_v pi(v | x_<t) (log pi(v | x_<t) - log pi_base(v | x_<t)).
 - `bradley_terry_loss`:          L = -log sigmoid(r(x, y+) - r(x, y-)).
 - `bootstrap_objective`:         L = (sum_t CE_t + kl_beta * sum_t KL_t) / N_answer_tokens.
 - `replay_objective`:            L_replay = replay_beta * sum_t KL_t / N_reply_tokens over general-chat replies
@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from icrl_core import distributed
+from icrl_core.batching import chunks, pad_sequences
 from icrl_core.errors import UserError
+from icrl_core.objectives import kl_policy_base
+from icrl_core.replay import pad_replay, replay_kl
 from icrl_core.tokenized import TokenizedEpisode
 from icrl_core.training_loop import Schedule, Trainer, run_loop
 
@@ -44,15 +47,6 @@ def masked_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> t
 
     logits: (N, V) at the N positions that predict an answer token; targets: (N,) those tokens. -> (N,)"""
     return F.cross_entropy(logits.float(), targets, reduction="none")
-
-
-def kl_policy_base(policy_logits: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
-    """KL_t(pi || pi_base) = sum_v pi(v) (log pi(v) - log pi_base(v)), exact over the vocabulary.
-
-    policy_logits, base_logits: (N, V) at the same positions. -> (N,), >= 0."""
-    logp = torch.log_softmax(policy_logits.float(), dim=-1)
-    logq = torch.log_softmax(base_logits.float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(dim=-1)
 
 
 def bootstrap_objective(ce: torch.Tensor, kl: torch.Tensor | None, kl_beta: float, n_tokens: int) -> torch.Tensor:
@@ -132,21 +126,6 @@ def pad_episodes(rows: Sequence[TokenizedEpisode], pad_id: int) -> EpisodeBatch:
 def answer_tokens(row: TokenizedEpisode) -> int:
     """Trained tokens of an episode that have a predecessor (the first token is never predicted)."""
     return int(sum(row.loss_mask[1:]))
-
-
-def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists -> (input_ids, attention_mask), both (B, T) long."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, :len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-        attention[i, :len(seq)] = 1
-    return ids, attention
-
-
-def chunks(items: Sequence, size: int) -> list[list]:
-    return [list(items[i:i + size]) for i in range(0, len(items), size)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -253,8 +232,6 @@ def bootstrap_micro_step(policy, batch: EpisodeBatch, kl_beta: float, n_tokens: 
 def replay_micro_step(policy, batch, replay_beta: float, n_tokens: int, scale: float = 1.0) -> dict[str, float]:
     """Backpropagate `scale * replay_objective` on one replay micro-batch (icrl_core.replay.ReplayBatch).
     Returns the KL's sum over this micro-batch divided by n_tokens (times scale)."""
-    from icrl_core.replay import replay_kl
-
     kl = replay_kl(policy, batch)
     (replay_objective(kl, replay_beta, n_tokens) * scale).backward()
     return {"replay_kl": float(kl.detach().sum()) / max(n_tokens, 1) * scale}
@@ -263,8 +240,6 @@ def replay_micro_step(policy, batch, replay_beta: float, n_tokens: int, scale: f
 @torch.no_grad()
 def evaluate_replay(policy, sequences, batch_size: int) -> dict:
     """Validation: token-mean KL(pi || pi_base) over the reply positions of held-back replay chats."""
-    from icrl_core.replay import pad_replay, replay_kl
-
     policy.eval()
     pad = policy.tokenizer.pad_token_id
     sums = {"kl": 0.0, "tokens": 0.0}
@@ -323,8 +298,6 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
     (seed, step)). Runs on the shared loop (icrl_core/training_loop.py): evaluates every `eval_steps` and at the
     end, checkpoints every `save_steps` and at the end.
     Returns (metrics of the last step, train + validation; the metrics of every step)."""
-    from icrl_core.replay import pad_replay
-
     replay_cfg = cfg.replay
     replay_on = replay is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
     params = policy.trainable_parameters()

@@ -1,6 +1,6 @@
 """Training stages as Ray Train jobs.
 
-`run_ray_training(config, stage, train_worker)` runs the stage's loop in `TorchTrainer` workers:
+`run_ray_training(config, stage, train_worker, checkpoint_dir)` runs the stage's loop in `TorchTrainer` workers:
 `ScalingConfig(num_workers=ray.num_workers, use_gpu=auto)`, torch.distributed over gloo on CPU (the loops
 average gradients with `icrl_core.distributed`), `FailureConfig(max_failures=ray.max_failures)`: when a worker
 dies, Ray restarts the worker group and the loop resumes from the last checkpoint reported through
@@ -146,12 +146,12 @@ def _train_loop(loop_config: dict) -> None:
         ray.train.report({FINAL_KEY: "{}"})
 
 
-def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=None) -> dict:
-    """Run `train_worker` (a module-level function) as a TorchTrainer job; return rank 0's final metrics."""
+def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoint_dir: Path,
+                     tracker=None) -> dict:
+    """Run `train_worker` (a module-level function) as a TorchTrainer job whose workers checkpoint into
+    `checkpoint_dir` (tasks/runtime.checkpoint_dir_for); return rank 0's final metrics."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    from tasks.runtime import checkpoint_dir_for
 
     ensure_ray(config.ray)
     workers = config.ray.num_workers
@@ -165,7 +165,7 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=N
         "module_root": str(module_root),
         "config": config.model_dump(mode="json"),
         "train_worker": f"{train_worker.__module__}:{train_worker.__name__}",
-        "checkpoint_dir": str(checkpoint_dir_for(config, stage).resolve()),
+        "checkpoint_dir": str(Path(checkpoint_dir).resolve()),
         "cwd": str(Path.cwd()),
         "tracking_uri": getattr(tracker, "uri", None),
         "run_id": getattr(tracker, "run_id", None),

@@ -115,7 +115,7 @@ def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracke
     if config.ray.enabled:
         from tasks.ray_train import run_ray_training
 
-        result = run_ray_training(config, stage, train_worker, tracker)
+        result = run_ray_training(config, stage, train_worker, checkpoint_dir_for(config, stage), tracker)
     else:
         result = train_worker(config, LocalRuntime(checkpoint_dir_for(config, stage), tracker))
     clear_checkpoints(config, stage)

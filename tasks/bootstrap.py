@@ -17,24 +17,37 @@ STAGE = "bootstrap"
 HEADLINE = ("val_answer_accuracy", "val_kl")  # metrics/bootstrap.json; the rest: output_dir/metrics.json
 
 
-def replay_chats(config: PipelineConfig, policy, rank: int) -> tuple[list, list] | None:
-    """The replay chats (train, validation) when bootstrap.replay.beta > 0: read from output_dir/replay.jsonl if
-    it was generated with the same settings, else sampled from the base model (every rank samples the same
-    ones: deterministic in the seed) and written there by rank 0."""
-    import hashlib
-    import json
+# Sampled replay replies, kept outside the stage's DVC out (DVC deletes it before the stage runs, and sampling takes
+# minutes): one file per `replay_key`, so a rerun after a crash, or with other training settings, reuses them.
+REPLAY_CACHE = Path(".icrl") / "replay"
+_REPLAY_SOURCES = ("icrl_core/replay.py", "icrl_core/chat.py", "icrl_core/model.py", "icrl_core/task_data.py")
 
+
+def replay_key(config: PipelineConfig) -> str:
+    """What the replay chats depend on: the base model (its spec and the dtype resolved on this machine; the
+    replies are sampled with the adapters disabled), the seed, the data folder, the replay settings that shape
+    the chats (not beta or per_step, which only weigh them) and the code that samples them."""
+    from icrl_core.model import resolve_dtype
+    from tasks.runtime import content_key
+
+    replay = config.bootstrap.replay
+    return content_key({"spec": config.model.spec, "dtype": resolve_dtype(config.model.dtype), "seed": config.seed,
+                        "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+                        **replay.model_dump(mode="json", exclude={"beta", "per_step"})}, _REPLAY_SOURCES)
+
+
+def replay_chats(config: PipelineConfig, policy, rank: int) -> tuple[list, list] | None:
+    """The replay chats (train, validation) when bootstrap.replay.beta > 0: read from the cache
+    (.icrl/replay/<replay_key>.jsonl) when they were sampled before, else sampled from the base model (every rank
+    samples the same ones: deterministic in the seed) and written there atomically by rank 0."""
     from icrl_core.replay import read_replay, replay_prompts, sample_replies, write_replay
     from icrl_core.task_data import load_task
 
     replay = config.bootstrap.replay
     if replay.beta <= 0:
         return None
-    key = hashlib.sha256(json.dumps({"spec": config.model.spec, "seed": config.seed,
-                                     "tasks_dir": str(config.data.tasks_dir),
-                                     **replay.model_dump(mode="json", exclude={"beta", "per_step"})},
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(config.bootstrap.output_dir) / "replay.jsonl"
+    key = replay_key(config)
+    path = REPLAY_CACHE / f"{key}.jsonl"
     chats = read_replay(path, key)
     if chats is None:
         from tqdm import tqdm

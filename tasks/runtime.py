@@ -104,6 +104,19 @@ def checkpoint_dir_for(config: PipelineConfig, stage: str) -> Path:
     return CHECKPOINT_ROOT / f"{stage}-{config_fingerprint(config, stage)[:16]}"
 
 
+def content_key(payload: dict, sources: tuple[str, ...]) -> str:
+    """A short sha256 of `payload` and of the source files (relative to the project) that compute a cached
+    result: the key of the caches kept outside the stages' DVC outs (evaluation runs, replay replies)."""
+    import hashlib
+    import json
+
+    from icrl_core.io import sha256_file
+
+    root = Path(__file__).resolve().parents[1]
+    payload = {**payload, "code": {name: sha256_file(root / name) for name in sources}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
 def clear_checkpoints(config: PipelineConfig, stage: str) -> None:
     import shutil
 

@@ -29,8 +29,9 @@ def project_imports() -> dict[str, set[str]]:
     function (a deferred import still ties the two modules together)."""
     import ast
 
-    modules = {f"{path.parent.name}.{path.stem}": path for package in ("icrl_core", "tasks", "flows")
-               for path in (ROOT / package).glob("*.py") if path.stem != "__init__"}
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts): path
+               for package in ("icrl_core", "tasks", "flows") for path in (ROOT / package).rglob("*.py")
+               if path.stem != "__init__"}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()

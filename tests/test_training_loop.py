@@ -50,14 +50,14 @@ def toy_trainer(with_eval: bool = True) -> tuple[Trainer, torch.nn.Parameter, li
         optimizer.step()
         scheduler.step()
         counter["updates"] += 1
-        return {"loss": float(loss), "noise": float(torch.rand(1))}  # the global RNG must come back on resume
+        return {"loss": float(loss.detach()), "noise": float(torch.rand(1))}  # the global RNG must come back on resume
 
     def load_state(extra):
         counter["updates"] = extra["updates"]
 
     trainer = Trainer(step, optimizer, scheduler, [weight], lambda: {"w": weight.detach().clone()},
                       lambda tensors: weight.data.copy_(tensors["w"]),
-                      (lambda: {"val": float(weight)}) if with_eval else None,
+                      (lambda: {"val": float(weight.detach())}) if with_eval else None,
                       state=lambda number: {"updates": counter["updates"]}, load_state=load_state)
     return trainer, weight, counter
 
@@ -81,7 +81,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result():
     torch.manual_seed(0)
     trainer, weight, counter = toy_trainer()
     full = run_loop(trainer, schedule, MemoryRuntime())
-    expected = (float(weight), counter["updates"])
+    expected = (float(weight.detach()), counter["updates"])
 
     torch.manual_seed(0)
     saved: list = []
@@ -93,7 +93,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result():
     resumed = run_loop(trainer, schedule, runtime)
     assert runtime.reports == [5, 6]  # no second step-0 evaluation
     assert resumed.history == full.history and resumed.evals == full.evals
-    assert (float(weight), counter["updates"]) == expected
+    assert (float(weight.detach()), counter["updates"]) == expected
     # a run that was killed after its final checkpoint has nothing left to do
     done = MemoryRuntime(runtime.checkpoints[-1:])
     again = run_loop(toy_trainer()[0], schedule, done)

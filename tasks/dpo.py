@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from icrl_core.errors import UserError
 from tasks.settings import PipelineConfig
 
 STAGE = "dpo"
@@ -21,9 +20,11 @@ HEADLINE = ("val_preference_accuracy", "val_preference_accuracy_before", "val_ma
 
 
 def start_adapter(config: PipelineConfig) -> Path | None:
+    from icrl_core.adapter_format import require_adapter
+
     init = config.dpo.init_adapter or config.model.init_adapter
-    if init is not None and not (Path(init) / "adapter.safetensors").exists():
-        raise UserError(f"dpo.init_adapter {init}: no adapter.safetensors there (run the bootstrap stage first)")
+    if init is not None:
+        require_adapter(init, "dpo.init_adapter", "run the bootstrap stage first")
     return init
 
 

@@ -188,13 +188,14 @@ def _experiment_name() -> str:
 @flow(name="icrl-pipeline", log_prints=True)
 def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | None = None,
                   experiment: str | None = None) -> dict:
-    """The training pipeline: build_dataset -> tokenize -> bootstrap -> reward_model -> ppo -> adapt ->
+    """The training pipeline: build_dataset -> tokenize -> bootstrap -> reward_model -> ppo (or dpo) -> adapt ->
     evaluate -> promote (the stages of dvc.yaml), each stage through DVC (unchanged stages are skipped), one run
     at a time per project folder.
 
     overrides: dotted config keys, e.g. {"ppo.kl_beta": 0.02}: the run is a DVC experiment with these params
     (listed by `dvc exp show`); params.yaml is unchanged afterwards.
-    stages: run only these stages (in pipeline order); default all.
+    stages: run only these stages (in pipeline order); default all but those of the policy optimization not
+    chosen (policy_optimization: ppo skips dpo; dpo skips reward_model, ppo and adapt).
     experiment: the experiment's name when there are overrides (default: the flow run's name and the time)."""
     logger = get_run_logger()
     with workspace_lock(logger):
@@ -206,12 +207,13 @@ def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | N
 
 def _run_stages(stages: list[str] | None) -> dict:
     from tasks.settings import load_config
-    from tasks.stages import stage_names
+    from tasks.stages import pipeline_stages, stage_names
     from tasks.tracking import PARENT_RUN_ENV, pipeline_run
 
     config = load_config(PARAMS_FILE if Path(PARAMS_FILE).exists() else None, [])
     pipeline = stage_names()  # dvc.yaml's stages, in order
-    selected = [s for s in pipeline if stages is None or s in stages]
+    # default: every stage of the chosen policy optimization (config policy_optimization: ppo or dpo)
+    selected = pipeline_stages(config.policy_optimization) if stages is None else [s for s in pipeline if s in stages]
     unknown = sorted(set(stages or []) - set(pipeline))
     if unknown:
         raise ValueError(f"unknown stages {unknown}; stages are {pipeline}")

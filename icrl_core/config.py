@@ -423,6 +423,38 @@ class PPOConfig(OptimFields):
         return self
 
 
+class DPOConfig(OptimFields):
+    """Direct preference optimization (the `dpo` stage, icrl_core/dpo.py; docs/DPO.md): DPO or IPO on (right,
+    wrong) answer pairs in one context, from the tokenized episodes (the reward model's pairs) and, with
+    mine_streams, mined from the policy's own in-context RL streams; the reference is the policy with its
+    adapters disabled. An alternative to reward_model + ppo: evaluate it with evaluate.adapter:
+    artifacts/dpo/adapter."""
+
+    loss: Annotated[Literal["dpo", "ipo"], Field(description="dpo: -log sigmoid(beta h); ipo: (h - 1/(2 beta))^2, "
+                                                 "h the log-ratio margin of chosen over rejected.")] = "dpo"
+    beta: Annotated[float, Field(gt=0, description="Strength of the implicit KL to the reference (DPO's beta; "
+                                 "IPO's margin target is 1 / (2 beta)).")] = 0.1
+    learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate.")] = 5e-4
+    lr_schedule: Annotated[Literal["constant", "linear"], Field(description="After warm-up: constant, or "
+                                                                "linear decay to 0 at max_steps.")] = "constant"
+    init_adapter: Annotated[Path | None, Field(description="Adapter DPO starts from (e.g. the bootstrap output "
+                                               "artifacts/bootstrap/adapter). Default: model.init_adapter.")] = None
+    episode_pairs: Annotated[bool, Field(description="Train on the (preferred, rejected) pairs of the tokenized "
+                                         "episodes (batch_size * grad_accum per step).")] = True
+    mine_streams: Annotated[bool, Field(description="Also mine pairs at each step from `stream.groups` groups of "
+                                        "in-context RL streams the current policy rolls out (tasks from "
+                                        "data.sources): every step it answered wrong gives (gold label, its "
+                                        "answer) in that context.")] = False
+    stream: StreamConfig = Field(default_factory=lambda: StreamConfig(eval_groups=0),
+                                 description="The mined streams (eval_groups is not used).")
+    temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the mined streams.")] = 1.0
+    max_eval_pairs: Annotated[int | None, Field(ge=1, description="Validation (preferred, rejected) pairs of the "
+                                                "val split used at each evaluation (the first N; empty = all).")] = 128
+    output_dir: Annotated[Path, Field(description="Stage output folder (adapter, metrics, curves).")] = Path(
+        "artifacts/dpo"
+    )
+
+
 class AdaptConfig(Section):
     """Test-time adaptation (stage 6; see docs/PPO.md): for one request episode, leave-one-out rollouts over its
     exemplars, a few LoRA steps on the best-scored ones (a temporary copy of the adapter), then answer."""

@@ -26,6 +26,7 @@ Losses (rho = pi / pi_old per action token; each returns a scalar to minimise):
     AIPO          -min(pi / mu, delta) A   per token, mu = the behaviour policy  (Llama-RL; prime-rl's default)
     OPO           -rho A  per token (exactly on-policy: its gradient is sum_t A_t grad log pi)
     KL            k3 per token: exp(ref - logp) - (ref - logp) - 1   (TRL's GRPO KL term)
+    exact KL      sum_v pi(v) (log pi(v) - log pi_base(v)) per position, over the vocabulary (bootstrap, replay)
     DPO / IPO     preference losses on (chosen, rejected) log-prob sums under policy and reference
 
 Aggregations: `token_mean` (sum over all tokens / token count), `sequence_mean` (each sequence's token mean,
@@ -303,6 +304,15 @@ def policy_gradient_loss(logp, old_logp, advantages, mask) -> torch.Tensor:
     """L = -1 / sum_i |y_i| * sum_{i,t} rho_t A_t, rho = pi / pi_old (= 1 on-policy, where the gradient is
     -sum_t A_t grad log pi(y_t) / N): OPO's exactly on-policy update. All (B, A); a scalar."""
     return -token_mean(torch.exp(logp - old_logp) * advantages, mask)
+
+
+def kl_policy_base(policy_logits: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
+    """KL_t(pi || pi_base) = sum_v pi(v) (log pi(v) - log pi_base(v)), exact over the vocabulary.
+
+    policy_logits, base_logits: (N, V) at the same positions. -> (N,), >= 0."""
+    logp = torch.log_softmax(policy_logits.float(), dim=-1)
+    logq = torch.log_softmax(base_logits.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(dim=-1)
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,

@@ -400,7 +400,7 @@ def ppo_iteration(policy, optimizer: torch.optim.Optimizer, batch: PPOBatch, cfg
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The training loop (talks only to a runtime: report / save_checkpoint / load_latest_checkpoint)
+# The pieces of the training loop (icrl_core/policy_optimization.py runs them on icrl_core/training_loop.py)
 
 
 VALUE_HEAD_PREFIX = "value_head."
@@ -544,85 +544,3 @@ def summarize(history: list[dict], evals: list[dict]) -> dict[str, float]:
         summary["val_reward_before"] = evals[0]["val_reward"]
         summary["val_reward_after"] = evals[-1]["val_reward"]
     return summary
-
-
-def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, runtime, max_tokens: int,
-              scorer=None, stream_sources=None) -> tuple[dict[str, float], list[dict], list[dict]]:
-    """PPO iterations 1..max_steps (resuming after the last checkpoint). Returns (summary, history, evals).
-
-    Data-parallel: each rank rolls out its shard of the iteration's episodes; gradients are averaged.
-    `ppo.mode=stream` rolls out in-context RL streams instead (icrl_core/stream_rl.py); `stream_sources` is then
-    (resolved data.sources, the data config) and the episodes are not used."""
-    from icrl_core.checkpoint import TrainingState, capture_rng, restore_rng
-    from icrl_core.distributed import broadcast_parameters, shard, world_size
-    from icrl_core.errors import UserError
-
-    streams = cfg.mode == "stream"
-    per_step, what = ((cfg.stream.groups, "ppo.stream.groups") if streams
-                      else (cfg.rollout_episodes, "ppo.rollout_episodes"))
-    if per_step % world_size():
-        # every worker must run the same number of minibatches: gradient averaging is a collective
-        raise UserError(f"{what}={per_step} must be a multiple of the number of data-parallel workers "
-                        f"({world_size()})")
-    if streams:
-        from icrl_core import stream_rl
-
-        sources, data = stream_sources
-        n_rollouts = cfg.stream.groups * cfg.stream.group_size
-
-        def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
-            return stream_rl.stream_step(policy, optimizer, scheduler, sources, data, cfg, beta, seed, step,
-                                         generator, max_tokens)
-
-        def run_eval() -> dict[str, float]:
-            return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens)
-
-        has_val = cfg.stream.eval_groups > 0
-    else:
-        n_rollouts = cfg.rollout_episodes
-        val = list(val_episodes)[:cfg.eval_episodes]
-
-        def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
-            indices = shard(episode_indices(len(train_episodes), cfg.rollout_episodes, step, seed))
-            return ppo_step(policy, optimizer, scheduler, [train_episodes[i] for i in indices], cfg, beta,
-                            generator, max_tokens, scorer)
-
-        def run_eval() -> dict[str, float]:
-            return evaluate(policy, val, cfg, max_tokens, scorer)
-
-        has_val = bool(val)
-    optimizer, scheduler = make_optimizer(policy, cfg)
-    beta = cfg.kl_beta
-    history: list[dict] = []
-    evals: list[dict] = []
-    start = 0
-    state = runtime.load_latest_checkpoint()
-    if state is not None:
-        load_trainable_tensors(policy, state.tensors)
-        optimizer.load_state_dict(state.optimizer)
-        if state.scheduler is not None:
-            scheduler.load_state_dict(state.scheduler)
-        restore_rng(state.rng)
-        beta = float(state.extra["beta"])
-        history, evals = list(state.extra["history"]), list(state.extra["evals"])
-        start = state.step
-    broadcast_parameters(policy.trainable_parameters())
-    if start == 0 and has_val:
-        evals.append({"step": 0, **run_eval()})
-        runtime.report({k: v for k, v in evals[-1].items() if k != "step"}, 0)
-    for step in range(start + 1, cfg.max_steps + 1):
-        generator = iteration_generator(seed, step)
-        metrics = run_step(step, generator)
-        beta = next_kl_coefficient(cfg.kl_control, beta, metrics["kl"], n_rollouts)
-        if has_val and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
-            result = run_eval()
-            evals.append({"step": step, **result})
-            metrics.update(result)
-        history.append({"step": step, **metrics})
-        runtime.report(metrics, step)
-        if step % cfg.save_steps == 0 and step < cfg.max_steps:
-            runtime.save_checkpoint(TrainingState(
-                step=step, tensors=trainable_tensors(policy), optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(), rng=capture_rng(),
-                extra={"beta": beta, "history": history, "evals": evals}))
-    return summarize(history, evals), history, evals

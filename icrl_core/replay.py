@@ -30,7 +30,8 @@ from icrl_core.chat import chat_prompt_ids
 from icrl_core.device import to_device
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_text
-from icrl_core.supervised import kl_policy_base, pad_sequences
+from icrl_core.batching import pad_sequences
+from icrl_core.objectives import kl_policy_base
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def pad_replay(sequences: Sequence[ReplaySequence], pad_id: int) -> ReplayBatch:
 
 
 def replay_kl(policy, batch: ReplayBatch) -> torch.Tensor:
-    """KL_t(pi || pi_base) at every reply position of the batch (supervised.kl_policy_base). -> (N,)"""
+    """KL_t(pi || pi_base) at every reply position of the batch (objectives.kl_policy_base). -> (N,)"""
     batch = to_device(batch, policy.device)
     logits, _, _ = policy.forward(batch.input_ids, batch.attention_mask, logits_at=batch.predict_at)
     with torch.no_grad(), policy.reference():

@@ -76,7 +76,7 @@ class RewardModel:
     @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]], batch_size: int = 8) -> torch.Tensor:
         """Rewards of token-id sequences (each = prompt + answer + end-of-turn), in batches. -> (B,) float32."""
-        from icrl_core.supervised import pad_sequences
+        from icrl_core.batching import pad_sequences
 
         was_training = self.head.training
         self.eval()

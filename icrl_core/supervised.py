@@ -2,14 +2,14 @@
 
 Losses (one function each, formula in the docstring):
 - `masked_token_cross_entropy`: CE_t = -log pi(y_t | x_<t) on answer tokens only.
-- `kl_policy_base`:              KL_t = sum_v pi(v | x_<t) (log pi(v | x_<t) - log pi_base(v | x_<t)).
+- `kl_policy_base` (icrl_core/objectives.py): KL_t = sum_v pi(v | x_<t) (log pi(v | x_<t) - log pi_base(v | x_<t)).
 - `bradley_terry_loss`:          L = -log sigmoid(r(x, y+) - r(x, y-)).
 - `bootstrap_objective`:         L = (sum_t CE_t + kl_beta * sum_t KL_t) / N_answer_tokens.
 - `replay_objective`:            L_replay = replay_beta * sum_t KL_t / N_reply_tokens over general-chat replies
                                  (icrl_core/replay.py), added to each bootstrap step when replay is on.
 
-The loops talk only to a runtime (`tasks/runtime.py`: `report`, `save_checkpoint`, `load_latest_checkpoint`,
-`rank`, `world_size`). They are deterministic given the seed: the data order of step s is a pure function of
+Both loops run on the shared training loop (icrl_core/training_loop.py), which talks only to a runtime
+(`tasks/runtime.py`: `report`, `save_checkpoint`, `load_latest_checkpoint`). They are deterministic given the seed: the data order of step s is a pure function of
 (seed, s), so a resumed run reads exactly the batches an uninterrupted one would; checkpoints carry the
 trainable weights, optimizer, scheduler and RNG states.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,10 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from icrl_core import distributed
-from icrl_core.checkpoint import TrainingState, capture_rng, restore_rng
+from icrl_core.batching import chunks, pad_sequences
 from icrl_core.device import to_device
 from icrl_core.errors import UserError
+from icrl_core.objectives import kl_policy_base
+from icrl_core.replay import pad_replay, replay_kl
 from icrl_core.tokenized import TokenizedEpisode
+from icrl_core.training_loop import Schedule, Trainer, run_loop
 
 # ---------------------------------------------------------------------------------------------------------------
 # Losses
@@ -45,15 +48,6 @@ def masked_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> t
 
     logits: (N, V) at the N positions that predict an answer token; targets: (N,) those tokens. -> (N,)"""
     return F.cross_entropy(logits.float(), targets, reduction="none")
-
-
-def kl_policy_base(policy_logits: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
-    """KL_t(pi || pi_base) = sum_v pi(v) (log pi(v) - log pi_base(v)), exact over the vocabulary.
-
-    policy_logits, base_logits: (N, V) at the same positions. -> (N,), >= 0."""
-    logp = torch.log_softmax(policy_logits.float(), dim=-1)
-    logq = torch.log_softmax(base_logits.float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(dim=-1)
 
 
 def bootstrap_objective(ce: torch.Tensor, kl: torch.Tensor | None, kl_beta: float, n_tokens: int) -> torch.Tensor:
@@ -135,21 +129,6 @@ def answer_tokens(row: TokenizedEpisode) -> int:
     return int(sum(row.loss_mask[1:]))
 
 
-def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists -> (input_ids, attention_mask), both (B, T) long."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, :len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-        attention[i, :len(seq)] = 1
-    return ids, attention
-
-
-def chunks(items: Sequence, size: int) -> list[list]:
-    return [list(items[i:i + size]) for i in range(0, len(items), size)]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Data order, optimizer, schedule
 
@@ -191,14 +170,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, max_step
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _restore(state: TrainingState, load_tensors: Callable[[dict], None], optimizer, scheduler) -> None:
-    load_tensors(state.tensors)
-    optimizer.load_state_dict(state.optimizer)
-    if state.scheduler is not None:
-        scheduler.load_state_dict(state.scheduler)
-    restore_rng(state.rng)
 
 
 def _check_world(global_batch: int) -> int:
@@ -263,8 +234,6 @@ def bootstrap_micro_step(policy, batch: EpisodeBatch, kl_beta: float, n_tokens: 
 def replay_micro_step(policy, batch, replay_beta: float, n_tokens: int, scale: float = 1.0) -> dict[str, float]:
     """Backpropagate `scale * replay_objective` on one replay micro-batch (icrl_core.replay.ReplayBatch).
     Returns the KL's sum over this micro-batch divided by n_tokens (times scale)."""
-    from icrl_core.replay import replay_kl
-
     kl = replay_kl(policy, batch)
     (replay_objective(kl, replay_beta, n_tokens) * scale).backward()
     return {"replay_kl": float(kl.detach().sum()) / max(n_tokens, 1) * scale}
@@ -273,8 +242,6 @@ def replay_micro_step(policy, batch, replay_beta: float, n_tokens: int, scale: f
 @torch.no_grad()
 def evaluate_replay(policy, sequences, batch_size: int) -> dict:
     """Validation: token-mean KL(pi || pi_base) over the reply positions of held-back replay chats."""
-    from icrl_core.replay import pad_replay, replay_kl
-
     policy.eval()
     pad = policy.tokenizer.pad_token_id
     sums = {"kl": 0.0, "tokens": 0.0}
@@ -330,10 +297,9 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
     blocks), loss `bootstrap_objective`, linear warm-up (+ optional linear decay), gradient clipping.
     With `replay` = (train, validation) replay chats (icrl_core.replay) and `cfg.replay.beta` > 0, each step
     adds `replay_objective` on `cfg.replay.per_step` of them (drawn like the episodes, a pure function of
-    (seed, step)). Evaluates every `eval_steps` and at the end; checkpoints every `save_steps` and at the end.
+    (seed, step)). Runs on the shared loop (icrl_core/training_loop.py): evaluates every `eval_steps` and at the
+    end, checkpoints every `save_steps` and at the end.
     Returns (metrics of the last step, train + validation; the metrics of every step)."""
-    from icrl_core.replay import pad_replay
-
     replay_cfg = cfg.replay
     replay_on = replay is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
     params = policy.trainable_parameters()
@@ -345,17 +311,11 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
     pad = policy.tokenizer.pad_token_id
     global_batch = cfg.batch_size * cfg.grad_accum
     world = _check_world(global_batch)
-    start, history = 0, []
-    state = runtime.load_latest_checkpoint()
-    if state is not None:
-        _restore(state, lambda t: policy.load_trainable_state_dict(t, "checkpoint"), optimizer, scheduler)
-        start, history = state.step, list(state.extra.get("history", []))
-    else:
-        distributed.broadcast_parameters(params)
-    for step in range(start, cfg.max_steps):
+
+    def step(number: int) -> dict[str, float]:
         began = time.perf_counter()
         policy.train()
-        rows = [train_rows[i] for i in batch_indices(len(train_rows), seed, step, global_batch)]
+        rows = [train_rows[i] for i in batch_indices(len(train_rows), seed, number - 1, global_batch)]
         n_tokens = sum(answer_tokens(r) for r in rows)
         optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"tokens": 0.0}
@@ -366,27 +326,29 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
             sums["tokens"] += sum(r.length for r in part)
         if replay_on:
             # Its own stream (seed + 1), so turning replay on does not change which episodes a step reads.
-            chats = [replay[0][i] for i in batch_indices(len(replay[0]), seed + 1, step, replay_cfg.per_step)]
+            chats = [replay[0][i] for i in batch_indices(len(replay[0]), seed + 1, number - 1, replay_cfg.per_step)]
             n_reply = sum(c.reply_tokens for c in chats)
             for part in chunks(distributed.shard(chats), cfg.batch_size):
                 out = replay_micro_step(policy, pad_replay(part, pad), replay_cfg.beta, n_reply, scale=world)
                 sums["replay_kl"] = sums.get("replay_kl", 0.0) + out["replay_kl"]
                 sums["tokens"] += sum(len(c.input_ids) for c in part)
-        metrics = apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
-        done = step + 1
-        if done % cfg.eval_steps == 0 or done == cfg.max_steps:
-            if val_rows:
-                metrics.update(evaluate_bootstrap(policy, val_rows, cfg.batch_size, cfg.kl_beta))
-            if replay_on and len(replay[1]) > 0:
-                metrics.update(evaluate_replay(policy, replay[1], cfg.batch_size))
-        history.append({"step": done, **metrics})
-        runtime.report(metrics, done)
-        if done % cfg.save_steps == 0 or done == cfg.max_steps:
-            runtime.save_checkpoint(TrainingState(
-                step=done, tensors=policy.trainable_state_dict(), optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(), rng=capture_rng(),
-                extra={"history": history, "data": data_position(len(train_rows), done, global_batch)}))
-    return history[-1] if history else {}, history
+        return apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
+
+    def evaluate() -> dict[str, float]:
+        metrics = {}
+        if val_rows:
+            metrics.update(evaluate_bootstrap(policy, val_rows, cfg.batch_size, cfg.kl_beta))
+        if replay_on and len(replay[1]) > 0:
+            metrics.update(evaluate_replay(policy, replay[1], cfg.batch_size))
+        return metrics
+
+    has_val = bool(val_rows) or (replay_on and len(replay[1]) > 0)
+    trainer = Trainer(step, optimizer, scheduler, params, policy.trainable_state_dict,
+                      lambda tensors: policy.load_trainable_state_dict(tensors, "checkpoint"),
+                      evaluate if has_val else None,
+                      state=lambda number: {"data": data_position(len(train_rows), number, global_batch)})
+    result = run_loop(trainer, Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps), runtime)
+    return result.last, result.history
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -442,7 +404,7 @@ def evaluate_reward_model(reward_model, pairs: Sequence[Pair], batch_size: int) 
 def train_reward_model(reward_model, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cfg, seed: int,
                        runtime) -> tuple[dict, list[dict]]:
     """Reward model training (config `reward_model`): AdamW with two groups (adapter at learning_rate, head at
-    head_learning_rate), Bradley-Terry loss on `batch_size * grad_accum` pairs per step. Same checkpoint,
+    head_learning_rate), Bradley-Terry loss on `batch_size * grad_accum` pairs per step. Same loop, checkpoint,
     evaluation and data-parallel rules as the bootstrap. Returns (last step's metrics, every step's metrics)."""
     groups = [{"params": reward_model.backbone_parameters(), "lr": cfg.learning_rate},
               {"params": list(reward_model.head.parameters()), "lr": cfg.head_learning_rate}]
@@ -453,17 +415,11 @@ def train_reward_model(reward_model, train_pairs: Sequence[Pair], val_pairs: Seq
     val_pairs = list(val_pairs)[: cfg.max_eval_pairs]
     global_batch = cfg.batch_size * cfg.grad_accum
     world = _check_world(global_batch)
-    start, history = 0, []
-    state = runtime.load_latest_checkpoint()
-    if state is not None:
-        _restore(state, reward_model.load_trainable_tensors, optimizer, scheduler)
-        start, history = state.step, list(state.extra.get("history", []))
-    else:
-        distributed.broadcast_parameters(params)
-    for step in range(start, cfg.max_steps):
+
+    def step(number: int) -> dict[str, float]:
         began = time.perf_counter()
         reward_model.train()
-        pairs = [train_pairs[i] for i in batch_indices(len(train_pairs), seed, step, global_batch)]
+        pairs = [train_pairs[i] for i in batch_indices(len(train_pairs), seed, number - 1, global_batch)]
         optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"tokens": 0.0}
         for part in chunks(distributed.shard(pairs), cfg.batch_size):
@@ -471,18 +427,16 @@ def train_reward_model(reward_model, train_pairs: Sequence[Pair], val_pairs: Seq
             for key, value in out.items():  # scaled by W: their mean over ranks is the global value
                 sums[key] = sums.get(key, 0.0) + value
             sums["tokens"] += sum(len(p.preferred) + len(p.rejected) for p in part)
-        metrics = apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
-        done = step + 1
-        if (done % cfg.eval_steps == 0 or done == cfg.max_steps) and val_pairs:
-            metrics.update(evaluate_reward_model(reward_model, val_pairs, cfg.batch_size))
-        history.append({"step": done, **metrics})
-        runtime.report(metrics, done)
-        if done % cfg.save_steps == 0 or done == cfg.max_steps:
-            runtime.save_checkpoint(TrainingState(
-                step=done, tensors=reward_model.trainable_tensors(), optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(), rng=capture_rng(),
-                extra={"history": history, "data": data_position(len(train_pairs), done, global_batch)}))
-    return history[-1] if history else {}, history
+        return apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
+
+    def evaluate() -> dict[str, float]:
+        return evaluate_reward_model(reward_model, val_pairs, cfg.batch_size)
+
+    trainer = Trainer(step, optimizer, scheduler, params, reward_model.trainable_tensors,
+                      reward_model.load_trainable_tensors, evaluate if val_pairs else None,
+                      state=lambda number: {"data": data_position(len(train_pairs), number, global_batch)})
+    result = run_loop(trainer, Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps), runtime)
+    return result.last, result.history
 
 
 def finite(metrics: dict) -> dict:

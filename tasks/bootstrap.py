@@ -9,8 +9,6 @@ the curves. Resumes from the last checkpoint after a kill (the runtime finds it)
 
 from __future__ import annotations
 
-import io
-import time
 from pathlib import Path
 
 from tasks.settings import PipelineConfig
@@ -19,55 +17,37 @@ STAGE = "bootstrap"
 HEADLINE = ("val_answer_accuracy", "val_kl")  # metrics/bootstrap.json; the rest: output_dir/metrics.json
 
 
-def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]], title: str) -> None:
-    """history.json (one record per step, for `dvc plots`) and curves.png (one panel per group of keys)."""
-    import matplotlib
+# Sampled replay replies, kept outside the stage's DVC out (DVC deletes it before the stage runs, and sampling takes
+# minutes): one file per `replay_key`, so a rerun after a crash, or with other training settings, reuses them.
+REPLAY_CACHE = Path(".icrl") / "replay"
+_REPLAY_SOURCES = ("icrl_core/replay.py", "icrl_core/chat.py", "icrl_core/model.py", "icrl_core/task_data.py")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    from icrl_core.io import atomic_write_bytes, atomic_write_json
-    from icrl_core.supervised import finite
+def replay_key(config: PipelineConfig) -> str:
+    """What the replay chats depend on: the base model (its spec and the dtype resolved on this machine; the
+    replies are sampled with the adapters disabled), the seed, the data folder, the replay settings that shape
+    the chats (not beta or per_step, which only weigh them) and the code that samples them."""
+    from icrl_core.model import resolve_dtype
+    from tasks.runtime import content_key
 
-    from tasks.runtime import plot_records
-
-    atomic_write_json(folder / "history.json", plot_records([finite(h) for h in history]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
-    for ax, (name, keys) in zip(axes[0], panels.items()):
-        for key in keys:
-            points = [(h["step"], h[key]) for h in history if h.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith("val_") else None, markersize=3, label=key)
-        ax.set_title(name)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(folder / "curves.png", buffer.getvalue())
+    replay = config.bootstrap.replay
+    return content_key({"spec": config.model.spec, "dtype": resolve_dtype(config.model.dtype), "seed": config.seed,
+                        "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+                        **replay.model_dump(mode="json", exclude={"beta", "per_step"})}, _REPLAY_SOURCES)
 
 
 def replay_chats(config: PipelineConfig, policy, rank: int) -> tuple[list, list] | None:
-    """The replay chats (train, validation) when bootstrap.replay.beta > 0: read from output_dir/replay.jsonl if
-    it was generated with the same settings, else sampled from the base model (every rank samples the same
-    ones: deterministic in the seed) and written there by rank 0."""
-    import hashlib
-    import json
-
+    """The replay chats (train, validation) when bootstrap.replay.beta > 0: read from the cache
+    (.icrl/replay/<replay_key>.jsonl) when they were sampled before, else sampled from the base model (every rank
+    samples the same ones: deterministic in the seed) and written there atomically by rank 0."""
     from icrl_core.replay import read_replay, replay_prompts, sample_replies, write_replay
     from icrl_core.task_data import load_task
 
     replay = config.bootstrap.replay
     if replay.beta <= 0:
         return None
-    key = hashlib.sha256(json.dumps({"spec": config.model.spec, "seed": config.seed,
-                                     "tasks_dir": str(config.data.tasks_dir),
-                                     **replay.model_dump(mode="json", exclude={"beta", "per_step"})},
-                                    sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(config.bootstrap.output_dir) / "replay.jsonl"
+    key = replay_key(config)
+    path = REPLAY_CACHE / f"{key}.jsonl"
     chats = read_replay(path, key)
     if chats is None:
         from tqdm import tqdm
@@ -94,14 +74,12 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     train = [r for r in rows if r.split == "train"]
     val = [r for r in rows if r.split == "val"]
     from tasks.runtime import ProgressRuntime
+    from tasks.training import write_history
 
     policy = policy_from_config(config.model, seed=config.seed)
-    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy"))
-    try:
+    with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "kl", "val_answer_accuracy")) as progress:
         replay = replay_chats(config, policy, runtime.rank)
         metrics, history = train_bootstrap(policy, train, val, cfg, config.seed, progress, replay=replay)
-    finally:
-        progress.close()
     if runtime.rank == 0:
         out = Path(cfg.output_dir)
         policy.save_adapter(out / "adapter")
@@ -113,18 +91,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 
 
 def run(config: PipelineConfig) -> dict:
-    from icrl_core.io import atomic_write_json
-    from tasks.runtime import launch, write_stage_metrics
-    from tasks.tracking import stage_run
+    from tasks.training import run_training_stage
 
-    started = time.perf_counter()
-    with stage_run(config, STAGE) as tracker:
-        metrics = launch(config, STAGE, train_worker, tracker)
-        metrics["seconds"] = round(time.perf_counter() - started, 2)
-        tracker.log_metrics({"stage_seconds": metrics["seconds"]})
-        out = Path(config.bootstrap.output_dir)
-        atomic_write_json(out / "metrics.json", metrics)
-        tracker.log_artifact(out / "adapter", "adapter")
-        tracker.log_artifact(out / "curves.png")
-    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
-    return metrics
+    return run_training_stage(config, STAGE, train_worker, config.bootstrap.output_dir,
+                              {"adapter": "adapter", "curves.png": None}, HEADLINE)

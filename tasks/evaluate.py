@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from tasks.runtime import content_key
 from tasks.settings import PipelineConfig, with_overrides
 from icrl_core.errors import UserError
 
@@ -89,8 +90,8 @@ def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
                "probe": cfg.forgetting_probe_items}
     feedback = _feedback_probe_settings(config)
     if feedback is None:  # keys made before the feedback probe existed stay valid
-        return _digest(payload, _ABILITY_SOURCES)
-    return _digest(payload | {"feedback": feedback}, _ABILITY_SOURCES + _FEEDBACK_SOURCES)
+        return content_key(payload, _ABILITY_SOURCES)
+    return content_key(payload | {"feedback": feedback}, _ABILITY_SOURCES + _FEEDBACK_SOURCES)
 
 
 def _feedback_probe_settings(config: PipelineConfig) -> dict | None:
@@ -356,7 +357,7 @@ def result_key(config: PipelineConfig) -> str:
     the inference engine, and the harness's source code."""
     from tasks.icrl_eval import FREE_ON_RESUME
 
-    return _digest({
+    return content_key({
         "model": _model_identity(config),
         "icrl_eval": {k: v for k, v in config.icrl_eval.model_dump(mode="json").items() if k not in FREE_ON_RESUME},
         "seed": config.seed, "task": _task_identity(config),
@@ -372,18 +373,6 @@ def engine_identity(config: PipelineConfig) -> str:
     """The backend, marked when the evaluate stage fuses the streams' passes (not bit-identical to exact runs)."""
     fused = config.inference.fuse_streams and config.inference.streams > 1
     return config.inference.backend + ("+fused" if fused else "")
-
-
-def _digest(payload: dict, sources: tuple[str, ...]) -> str:
-    """A short sha256 of `payload` and of the source files (relative to the project) that compute the result."""
-    import hashlib
-    import json
-
-    from icrl_core.io import sha256_file
-
-    root = Path(__file__).resolve().parents[1]
-    payload = {**payload, "code": {name: sha256_file(root / name) for name in sources}}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def cached_result(config: PipelineConfig) -> dict | None:

@@ -12,7 +12,6 @@ its last checkpoint (every ppo.save_steps iterations) and ends with the same met
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from tasks.settings import PipelineConfig
@@ -52,7 +51,8 @@ def max_episode_tokens(config: PipelineConfig, policy) -> int:
 def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.model import policy_from_config
     from icrl_core.adapter_format import VALUE_HEAD, require_adapter
-    from icrl_core.ppo import train_ppo, zero_value_head
+    from icrl_core.policy_optimization import train_ppo
+    from icrl_core.ppo import zero_value_head
     from tasks.runtime import ProgressRuntime
 
     cfg = config.ppo
@@ -74,12 +74,9 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     if cfg.value_head and not (init is not None and (Path(init) / VALUE_HEAD).exists()):
         zero_value_head(policy)  # a fresh critic (one trained by an earlier PPO run is kept)
     scorer = load_scorer(config, cfg.reward, cfg.reward_model_path)
-    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy"))
-    try:
+    with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy")) as progress:
         summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress,
                                             max_episode_tokens(config, policy), scorer, stream_sources)
-    finally:
-        progress.close()
     if runtime.rank == 0:
         write_outputs(Path(cfg.output_dir), policy, history, evals)
     return {**summary, "world_size": runtime.world_size}
@@ -88,9 +85,10 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> None:
     from icrl_core.io import atomic_write_json
 
+    from tasks.training import plot_records
+
     policy.save_adapter(out / "adapter")
     # Two flat lists of records: the shape `dvc plots` reads.
-    from tasks.runtime import plot_records
 
     atomic_write_json(out / "history.json", plot_records(history))
     atomic_write_json(out / "evals.json", plot_records(evals))
@@ -135,18 +133,10 @@ def plot_reward_curve(history: list[dict], evals: list[dict], path: Path) -> Non
 
 
 def run(config: PipelineConfig) -> dict:
-    from icrl_core.io import atomic_write_json
-    from tasks.runtime import launch, write_stage_metrics
-    from tasks.tracking import stage_run
+    from tasks.training import run_training_stage
 
-    started = time.perf_counter()
-    with stage_run(config, STAGE) as tracker:
-        metrics = launch(config, STAGE, train_worker, tracker)
-        metrics["seconds"] = round(time.perf_counter() - started, 2)
-        out = Path(config.ppo.output_dir)
-        atomic_write_json(out / "metrics.json", metrics)
-        tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-        for name in ("adapter", "history.json", "evals.json", "reward_curve.png", "metrics.json"):
-            tracker.log_artifact(out / name, "adapter" if name == "adapter" else None)
-    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
-    return metrics
+    # metrics.json is logged too: it is written before the artifacts are logged.
+    artifacts = {"adapter": "adapter", "history.json": None, "evals.json": None, "reward_curve.png": None,
+                 "metrics.json": None}
+    return run_training_stage(config, STAGE, train_worker, config.ppo.output_dir, artifacts, HEADLINE,
+                              log_summary=True)

@@ -1,6 +1,6 @@
 """Training stages as Ray Train jobs.
 
-`run_ray_training(config, stage, train_worker)` runs the stage's loop in `TorchTrainer` workers:
+`run_ray_training(config, stage, train_worker, checkpoint_dir)` runs the stage's loop in `TorchTrainer` workers:
 `ScalingConfig(num_workers=ray.num_workers, use_gpu=...)`, torch.distributed over NCCL when the workers have
 GPUs and gloo on CPUs (`ray_devices`; the loops average gradients with `icrl_core.distributed`),
 `FailureConfig(max_failures=ray.max_failures)`: when a worker dies, Ray restarts the worker group and the loop
@@ -171,13 +171,13 @@ def _train_loop(loop_config: dict) -> None:
         ray.train.report({FINAL_KEY: "{}"})
 
 
-def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=None) -> dict:
-    """Run `train_worker` (a module-level function) as a TorchTrainer job; return rank 0's final metrics."""
+def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoint_dir: Path,
+                     tracker=None) -> dict:
+    """Run `train_worker` (a module-level function) as a TorchTrainer job whose workers checkpoint into
+    `checkpoint_dir` (tasks/runtime.checkpoint_dir_for); return rank 0's final metrics."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     import ray
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from tasks.runtime import checkpoint_dir_for
 
     ensure_ray(config.ray)
     # The cluster's GPUs, not the driver's: a Prefect worker without a GPU drives GPU workers.
@@ -193,7 +193,7 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, tracker=N
         "module_root": str(module_root),
         "config": config.model_dump(mode="json"),
         "train_worker": f"{train_worker.__module__}:{train_worker.__name__}",
-        "checkpoint_dir": str(checkpoint_dir_for(config, stage).resolve()),
+        "checkpoint_dir": str(Path(checkpoint_dir).resolve()),
         "cwd": str(Path.cwd()),
         "tracking_uri": getattr(tracker, "uri", None),
         "run_id": getattr(tracker, "run_id", None),

@@ -7,7 +7,6 @@ metrics/reward_model.json; MLflow. Resumes after a kill like the bootstrap.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from tasks.settings import PipelineConfig
@@ -41,19 +40,16 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.reward_model import new_reward_model, save_reward_model
     from icrl_core.supervised import episode_pairs, finite, train_reward_model
     from icrl_core.tokenized import read_tokenized
-    from tasks.bootstrap import write_history
     from tasks.runtime import ProgressRuntime
+    from tasks.training import write_history
 
     cfg = config.reward_model
     rows = read_tokenized(config.tokenize.output_dir)
     train = episode_pairs([r for r in rows if r.split == "train"])
     val = episode_pairs([r for r in rows if r.split == "val"])
     reward_model = new_reward_model(config.model, start_adapter(config), seed=config.seed)
-    progress = ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "accuracy", "val_pairwise_accuracy"))
-    try:
+    with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "accuracy", "val_pairwise_accuracy")) as progress:
         metrics, history = train_reward_model(reward_model, train, val, cfg, config.seed, progress)
-    finally:
-        progress.close()
     if runtime.rank == 0:
         stats = {}
         if val:
@@ -73,18 +69,8 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 
 
 def run(config: PipelineConfig) -> dict:
-    from icrl_core.io import atomic_write_json
-    from tasks.runtime import launch, write_stage_metrics
-    from tasks.tracking import stage_run
+    from tasks.training import run_training_stage
 
-    started = time.perf_counter()
     start_adapter(config)  # fail early, before any run is opened, when the bootstrap output is missing
-    with stage_run(config, STAGE) as tracker:
-        metrics = launch(config, STAGE, train_worker, tracker)
-        metrics["seconds"] = round(time.perf_counter() - started, 2)
-        tracker.log_metrics({"stage_seconds": metrics["seconds"]})
-        atomic_write_json(Path(config.reward_model.output_dir) / "metrics.json", metrics)
-        tracker.log_artifact(model_dir(config), "reward_model")
-        tracker.log_artifact(Path(config.reward_model.output_dir) / "curves.png")
-    write_stage_metrics(STAGE, metrics, headline=HEADLINE)
-    return metrics
+    return run_training_stage(config, STAGE, train_worker, config.reward_model.output_dir,
+                              {"model": "reward_model", "curves.png": None}, HEADLINE)

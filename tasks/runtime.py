@@ -104,6 +104,19 @@ def checkpoint_dir_for(config: PipelineConfig, stage: str) -> Path:
     return CHECKPOINT_ROOT / f"{stage}-{config_fingerprint(config, stage)[:16]}"
 
 
+def content_key(payload: dict, sources: tuple[str, ...]) -> str:
+    """A short sha256 of `payload` and of the source files (relative to the project) that compute a cached
+    result: the key of the caches kept outside the stages' DVC outs (evaluation runs, replay replies)."""
+    import hashlib
+    import json
+
+    from icrl_core.io import sha256_file
+
+    root = Path(__file__).resolve().parents[1]
+    payload = {**payload, "code": {name: sha256_file(root / name) for name in sources}}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
 def clear_checkpoints(config: PipelineConfig, stage: str) -> None:
     import shutil
 
@@ -115,7 +128,7 @@ def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracke
     if config.ray.enabled:
         from tasks.ray_train import run_ray_training
 
-        result = run_ray_training(config, stage, train_worker, tracker)
+        result = run_ray_training(config, stage, train_worker, checkpoint_dir_for(config, stage), tracker)
     else:
         result = train_worker(config, LocalRuntime(checkpoint_dir_for(config, stage), tracker))
     clear_checkpoints(config, stage)
@@ -163,9 +176,8 @@ class ProgressRuntime:
     def close(self) -> None:
         self._bar.close()
 
+    def __enter__(self) -> ProgressRuntime:
+        return self
 
-def plot_records(records: list[dict]) -> list[dict]:
-    """Records with one set of keys (missing values null): `dvc plots` ignores a list whose records differ,
-    and validation metrics exist only on evaluation steps."""
-    keys = sorted({key for record in records for key in record})
-    return [{key: record.get(key) for key in keys} for record in records]
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -23,12 +23,12 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import pydantic_core
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConfig, DataConfig, EvalConfig,
-                              EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter, LoraAdapter,
-                              MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig, Section,
-                              SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
+from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConfig, DataConfig, DPOConfig,
+                              EvalConfig, EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter,
+                              LoraAdapter, MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig,
+                              Section, SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
 from icrl_core.io import read_user_text
@@ -125,6 +125,11 @@ class PipelineConfig(Section):
     """The whole pipeline: one section per stage plus orchestration."""
 
     seed: Annotated[int, Field(description="Global seed (data order, init, sampling).")] = 0
+    policy_optimization: Annotated[Literal["ppo", "dpo"], Field(
+        description="What trains the policy after the bootstrap in a pipeline run: ppo (stages reward_model and "
+                    "ppo, then adapt) or dpo (stage dpo). The other branch's stages are skipped; "
+                    "evaluate.adapter names the evaluated adapter (artifacts/ppo/adapter or "
+                    "artifacts/dpo/adapter, or the bootstrap's) and must not be the skipped branch's.")] = "ppo"
     artifacts_dir: Annotated[Path, Field(description="Root of stage outputs.")] = Path("artifacts")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -132,6 +137,7 @@ class PipelineConfig(Section):
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     icrl_eval: EvalConfig = Field(default_factory=EvalConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
@@ -141,6 +147,18 @@ class PipelineConfig(Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     sweep: SweepConfig = Field(default_factory=SweepConfig)
+
+    @model_validator(mode="after")
+    def _evaluated_adapter_is_trained(self) -> PipelineConfig:
+        """The evaluated adapter cannot come from a stage the chosen policy optimization skips."""
+        skipped = {"ppo": (self.dpo.output_dir,), "dpo": (self.ppo.output_dir, self.reward_model.output_dir)}
+        trained = {"ppo": self.ppo.output_dir, "dpo": self.dpo.output_dir}[self.policy_optimization]
+        adapter = Path(self.evaluate.adapter)
+        for folder in skipped[self.policy_optimization]:
+            if adapter == Path(folder) or Path(folder) in adapter.parents:
+                raise ValueError(f"evaluate.adapter {adapter} is an output of a stage that policy_optimization="
+                                 f"{self.policy_optimization} skips; point it at {Path(trained) / 'adapter'}")
+        return self
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -152,3 +152,19 @@ def upstream_closure(stage: str, project: Path | str | None = None) -> list[str]
             seen.add(name)
             todo.extend(stages[name].upstream)
     return [name for name in stages if name in seen]
+
+
+# The two ways to train the policy after the bootstrap (config `policy_optimization`): the stages of each branch.
+POLICY_OPTIMIZATION = {"ppo": ("reward_model", "ppo"), "dpo": ("dpo",)}
+
+
+def pipeline_stages(policy_optimization: str, project: Path | str | None = None) -> list[str]:
+    """The stages a pipeline run executes, in order: all of dvc.yaml's but the other branches' stages and the
+    stages that read their outputs (e.g. adapt, which adapts the PPO adapter, under dpo)."""
+    stages = load_stages(project)
+    skipped = {name for choice, names in POLICY_OPTIMIZATION.items() if choice != policy_optimization
+               for name in names if name in stages}
+    for name, stage in stages.items():  # pipeline order: upstream stages come first
+        if skipped & set(stage.upstream):
+            skipped.add(name)
+    return [name for name in stages if name not in skipped]

@@ -22,3 +22,69 @@ def test_icrl_core_imports_no_orchestration_package():
         text = path.read_text()
         for pkg in ("prefect", "ray", "mlflow", "dvc"):
             assert f"import {pkg}" not in text and f"from {pkg}" not in text, (path, pkg)
+
+
+def project_imports() -> dict[str, set[str]]:
+    """Each project module (icrl_core, tasks, flows) -> the project modules it imports, at the top or inside a
+    function (a deferred import still ties the two modules together)."""
+    import ast
+
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts): path
+               for package in ("icrl_core", "tasks", "flows") for path in (ROOT / package).rglob("*.py")
+               if path.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = {module for module in found if module in modules and module != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def test_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_project_modules_import_no_circle():
+    """A circle (even through an import inside a function) means neither module can be understood, tested or
+    moved without the other: the lower one must not know the upper one."""
+    # Known, came in with the PEFT adapter format (main, after this test was written): adapter_format imports
+    # model inside two functions (ValueHead, load_policy) while model imports adapter_format. To be removed.
+    known = [["icrl_core.adapter_format", "icrl_core.model"]]
+    assert [cycle for cycle in import_cycles(project_imports()) if cycle not in known] == []

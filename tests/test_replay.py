@@ -132,22 +132,36 @@ def test_replay_kl_is_zero_for_the_base_and_positive_after_a_change(tiny):
     assert kl.shape == (batch.n_tokens,) and bool((kl > 0).all())
 
 
-def test_bootstrap_stage_samples_replay_chats_once_and_reuses_them(tmp_path):
-    """tasks/bootstrap.replay_chats: training texts of the replay tasks become chats, written to the stage's
-    output folder with the settings' key; a rerun reads them back, changed settings sample again."""
+def test_bootstrap_stage_samples_replay_chats_once_and_reuses_them(tmp_path, monkeypatch):
+    """tasks/bootstrap.replay_chats: training texts of the replay tasks become chats, cached outside the stage's
+    output folder (which DVC deletes before the stage runs) under a key of what determines them; a rerun after
+    the output folder is gone reuses them, training-only settings do not matter, changed settings sample again."""
+    import shutil
+
     from tasks.settings import PipelineConfig, with_overrides
-    from tasks.bootstrap import replay_chats
+    from tasks.bootstrap import REPLAY_CACHE, replay_chats, replay_key
     from tests.conftest import TASKS_DIR
 
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "artifacts" / "bootstrap"
     config = with_overrides(PipelineConfig(), {
-        "model.spec": "tiny", "data.tasks_dir": str(TASKS_DIR), "bootstrap.output_dir": str(tmp_path),
+        "model.spec": "tiny", "model.dtype": "float32", "data.tasks_dir": str(TASKS_DIR),
+        "bootstrap.output_dir": str(out),
         "bootstrap.replay": {"beta": 1.0, "tasks": ["banking77"], "prompts": 12, "max_new_tokens": 3}})
     assert replay_chats(with_overrides(config, {"bootstrap.replay.beta": 0.0}), None, rank=0) is None
     policy = load_policy("tiny", seed=0)
     train, val = replay_chats(config, policy, rank=0)
     assert len(train) == 10 and len(val) == 2
-    path = tmp_path / "replay.jsonl"
+    path = tmp_path / REPLAY_CACHE / f"{replay_key(config)}.jsonl"
     written = path.stat().st_mtime_ns
-    assert replay_chats(config, policy, rank=0) == (train, val) and path.stat().st_mtime_ns == written
-    longer = replay_chats(with_overrides(config, {"bootstrap.replay.max_new_tokens": 4}), policy, rank=0)
-    assert path.stat().st_mtime_ns != written and longer != (train, val)
+    assert not out.exists() or not list(out.iterdir())  # nothing in the DVC out
+    shutil.rmtree(out, ignore_errors=True)
+    retrained = with_overrides(config, {"bootstrap.replay.beta": 0.3, "bootstrap.learning_rate": 1e-3})
+    assert replay_key(retrained) == replay_key(config)
+    assert replay_chats(retrained, policy, rank=0) == (train, val) and path.stat().st_mtime_ns == written
+    changed = with_overrides(config, {"bootstrap.replay.max_new_tokens": 4})
+    assert replay_key(changed) != replay_key(config)
+    longer = replay_chats(changed, policy, rank=0)
+    assert longer != (train, val) and path.stat().st_mtime_ns == written
+    assert sorted(p.name for p in (tmp_path / REPLAY_CACHE).iterdir()) == sorted(
+        f"{replay_key(c)}.jsonl" for c in (config, changed))

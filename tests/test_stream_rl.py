@@ -105,14 +105,19 @@ def test_skipped_passes_give_the_same_advantages(policy):
     fresh(policy)
 
 
+class Killed(Exception):
+    """A run killed right after a checkpoint."""
+
+
 class MemoryRuntime:
     """The runtime protocol of train_ppo with checkpoints kept in memory."""
 
     rank, world_size = 0, 1
 
-    def __init__(self, checkpoints: list | None = None):
+    def __init__(self, checkpoints: list | None = None, kill_after: int | None = None):
         self.checkpoints = checkpoints if checkpoints is not None else []
         self.reports: list[tuple[int, dict]] = []
+        self.kill_after = kill_after  # the run dies right after writing this many checkpoints
 
     def report(self, metrics, step):
         self.reports.append((step, dict(metrics)))
@@ -121,15 +126,17 @@ class MemoryRuntime:
         import copy
 
         self.checkpoints.append(copy.deepcopy(state))
+        if len(self.checkpoints) == self.kill_after:
+            raise Killed
 
     def load_latest_checkpoint(self):
         return self.checkpoints[-1] if self.checkpoints else None
 
 
 def test_stream_training_resumes_exactly(policy):
-    """3 iterations uninterrupted; then 2 iterations (checkpoint after each) and a resume to 3 from the second
-    checkpoint: the same history, evaluations and weights."""
-    from icrl_core.ppo import train_ppo
+    """3 iterations uninterrupted (a checkpoint after each, the last one included); then a run killed after its
+    second checkpoint and resumed from it: the same history, evaluations and weights."""
+    from icrl_core.policy_optimization import train_ppo
 
     cfg = PPOConfig(mode="stream", objective={"kind": "grpo"}, max_steps=3, save_steps=1, eval_steps=3,
                     stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=1,
@@ -140,16 +147,19 @@ def test_stream_training_resumes_exactly(policy):
         return train_ppo(policy, [], [], config, 0, runtime, 2048, None, sources)
 
     fresh(policy)
-    summary, history, evals = train(cfg, MemoryRuntime())
+    runtime = MemoryRuntime()
+    summary, history, evals = train(cfg, runtime)
+    assert [state.step for state in runtime.checkpoints] == [1, 2, 3]
     weights = {k: v.clone() for k, v in trainable_tensors(policy).items()}
     assert [h["step"] for h in history] == [1, 2, 3] and [e["step"] for e in evals] == [0, 3]
     assert {"mean_reward", "reward_second_half", "switch_after_wrong", "kl"} <= set(history[0])
     assert "val_reward_second_half" in evals[0] and "val_accuracy_after" in summary
     fresh(policy)
     saved: list = []
-    train(cfg.model_copy(update={"max_steps": 2}), MemoryRuntime(saved))
+    with pytest.raises(Killed):
+        train(cfg, MemoryRuntime(saved, kill_after=2))
     fresh(policy)
-    _, resumed, resumed_evals = train(cfg, MemoryRuntime(saved[:2]))
+    _, resumed, resumed_evals = train(cfg, MemoryRuntime(saved))
 
     def timeless(rows):
         return [{k: (None if v != v else v) for k, v in row.items() if "seconds" not in k} for row in rows]  # NaN

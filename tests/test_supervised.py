@@ -13,8 +13,9 @@ import torch
 from icrl_core.checkpoint import list_checkpoints
 from icrl_core.config import BootstrapConfig, LoraAdapter
 from icrl_core.model import load_policy
+from icrl_core.objectives import kl_policy_base
 from icrl_core.supervised import (batch_indices, bootstrap_micro_step, bootstrap_objective, bradley_terry_loss,
-                                  evaluate_bootstrap, kl_policy_base, make_scheduler, masked_token_cross_entropy,
+                                  evaluate_bootstrap, make_scheduler, masked_token_cross_entropy,
                                   pad_episodes, query_accuracy, train_bootstrap)
 from icrl_core.distributed import shard
 from tasks.runtime import LocalRuntime

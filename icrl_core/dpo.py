@@ -1,0 +1,186 @@
+"""Direct preference optimization (the `dpo` stage): DPO or IPO (icrl_core/objectives.py) on pairs of a right and
+a wrong answer in one context, with the policy's adapters disabled as the reference. An alternative to reward
+model + PPO that needs no reward model and no rollouts (unless pairs are mined from streams).
+
+Pairs (`Pair`: prompt + chosen answer, prompt + rejected answer, as token ids):
+- the tokenized episodes' (preferred, rejected) answers of every query (the reward model's pairs,
+  `supervised.episode_pairs`), `batch_size * grad_accum` per step in a seeded order;
+- with `dpo.mine_streams`, pairs mined from in-context RL streams the current policy rolls out at each step
+  (`streams.mine_preference_pairs`: every step answered wrong gives (gold label, its answer) in that context),
+  seeded by (seed, step) so a resumed run mines the same ones.
+
+Per pair, with log pi(y) the summed log-probs of the answer tokens after the two sequences' common prefix:
+
+    h      = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))
+    DPO    L = -log sigmoid(beta h)          IPO    L = (h - 1 / (2 beta))^2
+    implicit reward margin = beta h          preference accuracy = share of pairs with h > 0
+
+Shapes: P pairs, B = 2P sequences (chosen then rejected), T padded length, N answer-token positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from icrl_core import distributed
+from icrl_core.batching import chunks, pad_sequences
+from icrl_core.errors import UserError
+from icrl_core.objectives import dpo_loss, ipo_loss
+from icrl_core.supervised import Pair, _check_world, _combine, apply_update, batch_indices, make_scheduler
+from icrl_core.training_loop import Schedule, Trainer, run_loop
+
+
+def answer_start(pair: Pair) -> int:
+    """Length of the common prefix of a pair's two sequences: where their answers start to differ (shared
+    answer tokens in the same context cancel in h)."""
+    start = 0
+    for a, b in zip(pair.preferred, pair.rejected):
+        if a != b:
+            break
+        start += 1
+    return min(start, len(pair.preferred) - 1, len(pair.rejected) - 1)
+
+
+def answer_logps(policy, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+    """log pi(y) = sum_t log pi(x_t | x_<t) over the tokens t >= start of each sequence. -> (B,)"""
+    ids, attention = pad_sequences(sequences, policy.tokenizer.pad_token_id)
+    predict_at = torch.zeros_like(attention, dtype=torch.bool)  # (B, T): positions whose next token is an answer's
+    for row, (sequence, start) in enumerate(zip(sequences, starts)):
+        predict_at[row, start - 1: len(sequence) - 1] = True
+    logits, _, _ = policy.forward(ids, attention, logits_at=predict_at)  # (N, V)
+    targets = ids[:, 1:][predict_at[:, :-1]]  # (N,)
+    token_logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    rows = torch.arange(len(sequences)).unsqueeze(1).expand_as(predict_at)[predict_at]  # (N,) row of each token
+    return torch.zeros(len(sequences)).index_add(0, rows, token_logp)
+
+
+def preference_margins(policy, pairs: Sequence[Pair]) -> torch.Tensor:
+    """h per pair (module docstring), with gradients through the policy; the reference (adapters disabled) is
+    computed without. One padded batch of 2P sequences each. -> (P,)"""
+    sequences = [p.preferred for p in pairs] + [p.rejected for p in pairs]
+    starts = [answer_start(p) for p in pairs] * 2
+    logp = answer_logps(policy, sequences, starts)
+    with torch.no_grad(), policy.reference():
+        ref_logp = answer_logps(policy, sequences, starts)
+    n = len(pairs)
+    return (logp[:n] - ref_logp[:n]) - (logp[n:] - ref_logp[n:])
+
+
+def preference_loss(kind: str, h: torch.Tensor, beta: float) -> torch.Tensor:
+    """The configured loss (mean over pairs) from the margins h (P,); dpo_loss/ipo_loss take the four log-prob
+    sums, and h = (h - 0) - (0 - 0) gives them the same value."""
+    zeros = torch.zeros_like(h)
+    loss = dpo_loss if kind == "dpo" else ipo_loss
+    return loss(h, zeros, zeros, zeros, beta)
+
+
+def dpo_micro_step(policy, pairs: Sequence[Pair], cfg, n_pairs: int, scale: float = 1.0,
+                   backward: bool = True) -> dict[str, float]:
+    """Backpropagate scale * (len(pairs) / n_pairs) * loss over these pairs (so micro-batches and ranks add up to
+    the mean over the step's n_pairs); returns loss, implicit reward margin (beta h) and accuracy (h > 0) as sums
+    / n_pairs (times scale)."""
+    h = preference_margins(policy, pairs)
+    loss = preference_loss(cfg.loss, h, cfg.beta) * len(pairs) / max(n_pairs, 1) * scale
+    if backward:
+        loss.backward()
+    h = h.detach()
+    return {"loss": float(loss.detach()), "margin": float(cfg.beta * h.sum()) / max(n_pairs, 1) * scale,
+            "accuracy": float((h > 0).float().sum()) / max(n_pairs, 1) * scale}
+
+
+@torch.no_grad()
+def evaluate_preferences(policy, pairs: Sequence[Pair], cfg) -> dict[str, float]:
+    """Validation preference accuracy P(h > 0), loss and implicit reward margin over `pairs`."""
+    policy.eval()
+    sums = {"loss": 0.0, "margin": 0.0, "accuracy": 0.0, "pairs": 0.0}
+    for part in chunks(distributed.shard(list(pairs)), cfg.batch_size):
+        out = dpo_micro_step(policy, part, cfg, 1, backward=False)  # sums (n_pairs = 1)
+        for key in ("loss", "margin", "accuracy"):
+            sums[key] += out[key]
+        sums["pairs"] += len(part)
+    total = _combine(sums)
+    n = max(total["pairs"], 1.0)
+    return {"val_preference_accuracy": total["accuracy"] / n, "val_loss": total["loss"] / n,
+            "val_margin": total["margin"] / n, "val_pairs": total["pairs"]}
+
+
+def mined_pairs(policy, sources, data, cfg, seed: int, step: int, max_tokens: int) -> list[Pair]:
+    """This worker's share of the step's `cfg.stream.groups` stream groups, rolled out by the current policy
+    (icrl_core/stream_rl.roll_out, keyed by (seed, step)), as pairs (streams.mine_preference_pairs)."""
+    from icrl_core.config import PPOConfig
+    from icrl_core.stream_rl import roll_out
+    from icrl_core.streams import mine_preference_pairs
+
+    rollout = PPOConfig(mode="stream", stream=cfg.stream, temperature=cfg.temperature)
+    policy.eval()
+    streams = roll_out(policy, sources, data, rollout, seed, step, distributed.shard(range(cfg.stream.groups)),
+                       "train", max_tokens)
+    return [Pair(list(p.prompt_ids + p.chosen_ids), list(p.prompt_ids + p.rejected_ids))
+            for p in mine_preference_pairs(streams, policy.tokens)]
+
+
+def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cfg, seed: int, runtime,
+              stream_sources=None, max_tokens: int = 2048) -> tuple[dict, list[dict]]:
+    """DPO/IPO (config `dpo`) on the shared loop: AdamW on the policy's trainable weights, each step the
+    (mean) loss over `batch_size * grad_accum` episode pairs (when `cfg.episode_pairs`) plus the pairs mined from
+    this step's streams (when `cfg.mine_streams`; `stream_sources` = (resolved data.sources, data config)),
+    gradient clipping, the warm-up schedule; evaluation on `val_pairs` every eval_steps, checkpoints every
+    save_steps and after the last step. Returns (last step's metrics, every step's metrics)."""
+    params = policy.trainable_parameters()
+    if not params:
+        raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")
+    if not cfg.episode_pairs and not cfg.mine_streams:
+        raise UserError("dpo has no pairs: set dpo.episode_pairs or dpo.mine_streams")
+    if cfg.episode_pairs and not train_pairs:
+        raise UserError("dpo.episode_pairs: the tokenized train split has no (preferred, rejected) pairs")
+    if cfg.mine_streams and cfg.stream.groups % distributed.world_size():
+        raise UserError(f"dpo.stream.groups={cfg.stream.groups} must be a multiple of the number of "
+                        f"data-parallel workers ({distributed.world_size()})")
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule)
+    val_pairs = list(val_pairs)[: cfg.max_eval_pairs]
+    global_batch = cfg.batch_size * cfg.grad_accum
+    world = _check_world(global_batch) if cfg.episode_pairs else distributed.world_size()
+
+    def step(number: int) -> dict[str, float]:
+        began = time.perf_counter()
+        pairs: list[Pair] = []
+        if cfg.episode_pairs:
+            pairs = distributed.shard([train_pairs[i] for i in batch_indices(len(train_pairs), seed, number - 1,
+                                                                             global_batch)])
+        mined = []
+        if cfg.mine_streams:
+            sources, data = stream_sources
+            mined = mined_pairs(policy, sources, data, cfg, seed, number, max_tokens)
+            pairs = pairs + mined
+        policy.train()
+        optimizer.zero_grad(set_to_none=True)
+        # every rank's pairs count: the mean is over the step's pairs of all ranks
+        n_pairs = int(round(_combine({"pairs": float(len(pairs))})["pairs"]))
+        sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0, "margin": 0.0, "accuracy": 0.0}
+        for part in chunks(pairs, cfg.batch_size):
+            out = dpo_micro_step(policy, part, cfg, n_pairs, scale=world)
+            for key, value in out.items():  # scaled by W: their mean over ranks is the global value
+                sums[key] += value
+            sums["tokens"] += sum(len(p.preferred) + len(p.rejected) for p in part)
+        metrics = apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
+        metrics["pairs"] = float(n_pairs)
+        if cfg.mine_streams:
+            metrics["mined_pairs"] = _combine({"mined": float(len(mined))})["mined"]
+        return metrics
+
+    def evaluate() -> dict[str, float]:
+        return evaluate_preferences(policy, val_pairs, cfg)
+
+    trainer = Trainer(step, optimizer, scheduler, params, policy.trainable_state_dict,
+                      lambda tensors: policy.load_trainable_state_dict(tensors, "checkpoint"),
+                      evaluate if val_pairs else None)
+    schedule = Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps, evaluate_first=True)
+    result = run_loop(trainer, schedule, runtime)
+    metrics = dict(result.last)
+    if result.evals:  # the starting weights' accuracy (step 0), to compare with the final one
+        metrics["val_preference_accuracy_before"] = result.evals[0]["val_preference_accuracy"]
+    return metrics, result.history

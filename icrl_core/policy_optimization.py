@@ -1,0 +1,91 @@
+"""The `ppo` stage's training: PPO on the built episodes (icrl_core/ppo.py) or, with `ppo.mode: stream`, the
+configured objective on in-context RL streams (icrl_core/stream_rl.py), both on the shared training loop
+(icrl_core/training_loop.py).
+
+One iteration rolls out (episodes or streams), updates the policy, then moves the KL coefficient
+(`ppo.kl_control`). The validation set is answered once before the first iteration (step 0), every
+`ppo.eval_steps` and after the last iteration; a checkpoint (weights, value head, optimizer, schedule, RNG, the KL
+coefficient, history and evaluations) is written every `ppo.save_steps` iterations and after the last.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from icrl_core.config import PPOConfig
+from icrl_core.distributed import shard, world_size
+from icrl_core.errors import UserError
+from icrl_core.ppo import (
+    episode_indices,
+    evaluate,
+    iteration_generator,
+    load_trainable_tensors,
+    make_optimizer,
+    next_kl_coefficient,
+    ppo_step,
+    summarize,
+    trainable_tensors,
+)
+from icrl_core.training_loop import Schedule, Trainer, run_loop
+
+
+def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, runtime, max_tokens: int,
+              scorer=None, stream_sources=None) -> tuple[dict[str, float], list[dict], list[dict]]:
+    """PPO iterations 1..max_steps (resuming after the last checkpoint). Returns (summary, history, evals).
+
+    Data-parallel: each rank rolls out its shard of the iteration's episodes; gradients are averaged.
+    `ppo.mode=stream` rolls out in-context RL streams instead (icrl_core/stream_rl.py); `stream_sources` is then
+    (resolved data.sources, the data config) and the episodes are not used."""
+    streams = cfg.mode == "stream"
+    per_step, what = ((cfg.stream.groups, "ppo.stream.groups") if streams
+                      else (cfg.rollout_episodes, "ppo.rollout_episodes"))
+    if per_step % world_size():
+        # every worker must run the same number of minibatches: gradient averaging is a collective
+        raise UserError(f"{what}={per_step} must be a multiple of the number of data-parallel workers "
+                        f"({world_size()})")
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    beta = cfg.kl_beta  # the KL coefficient of the next iteration (moves under ppo.kl_control: adaptive)
+    if streams:
+        from icrl_core import stream_rl
+
+        sources, data = stream_sources
+        n_rollouts = cfg.stream.groups * cfg.stream.group_size
+
+        def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
+            return stream_rl.stream_step(policy, optimizer, scheduler, sources, data, cfg, beta, seed, step,
+                                         generator, max_tokens)
+
+        def run_eval() -> dict[str, float]:
+            return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens)
+
+        has_val = cfg.stream.eval_groups > 0
+    else:
+        n_rollouts = cfg.rollout_episodes
+        val = list(val_episodes)[:cfg.eval_episodes]
+
+        def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
+            indices = shard(episode_indices(len(train_episodes), cfg.rollout_episodes, step, seed))
+            return ppo_step(policy, optimizer, scheduler, [train_episodes[i] for i in indices], cfg, beta,
+                            generator, max_tokens, scorer)
+
+        def run_eval() -> dict[str, float]:
+            return evaluate(policy, val, cfg, max_tokens, scorer)
+
+        has_val = bool(val)
+
+    def step(number: int) -> dict[str, float]:
+        nonlocal beta
+        metrics = run_step(number, iteration_generator(seed, number))
+        beta = next_kl_coefficient(cfg.kl_control, beta, metrics["kl"], n_rollouts)
+        return metrics
+
+    def load_state(extra) -> None:
+        nonlocal beta
+        beta = float(extra["beta"])
+
+    trainer = Trainer(step, optimizer, scheduler, policy.trainable_parameters(), lambda: trainable_tensors(policy),
+                      lambda tensors: load_trainable_tensors(policy, tensors), run_eval if has_val else None,
+                      state=lambda number: {"beta": beta}, load_state=load_state)
+    result = run_loop(trainer, Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps, evaluate_first=True),
+                      runtime)
+    return summarize(result.history, result.evals), result.history, result.evals

@@ -1,10 +1,12 @@
 """Orchestration with real services, on the tiny model so it runs in minutes:
 
 - a real Prefect server on 127.0.0.1, `prefect deploy --all` to a process work pool, a worker, and a pipeline
-  run triggered with parameters through the REST API (what the UI's "Run" button does), seen to complete with
-  every stage task completed and logged; the run goes Prefect -> `dvc repro` -> `icrl stage` -> MLflow and
-  ends with a registered model version carrying the `champion` alias;
-- `dvc repro` again runs nothing; `dvc exp run -S ppo.kl_beta=...` reruns only ppo and what depends on it;
+  run triggered through the REST API (what the UI's "Run" button does), seen to complete with every stage task
+  completed and logged; the run goes Prefect -> `dvc repro` -> `icrl stage` (training stages as Ray Train jobs)
+  -> MLflow and ends with a registered model version whose alias the real promotion gates decided; the
+  promotion deployment takes no metric;
+- `dvc repro` again runs nothing; a bootstrap rerun that gives the same weights reruns nothing downstream;
+  `dvc exp run -S ppo.kl_beta=...` reruns only ppo and what depends on it;
 - a two-worker Ray Train PPO job survives a killed worker by resuming from its checkpoint;
 - a Ray Tune sweep of 4 PPO trials logs 4 MLflow child runs under one parent.
 """
@@ -24,17 +26,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tasks.stages import stage_names
+from tasks.stages import pipeline_stages, stage_names
 from tests.conftest import ROOT, TASKS_DIR, own_ray_train_workers
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 STAGES = stage_names(ROOT)
+# what a pipeline run executes (policy_optimization: ppo; the dpo stage is the other branch)
+PIPELINE = pipeline_stages("ppo", ROOT)
 
 # The demo pipeline shrunk to seconds per stage: same stages, same params.yaml layout, tiny model.
 TINY_PIPELINE = {
-    "model.spec": "tiny", "model.dtype": "float32", "ray.enabled": False,
+    "model.spec": "tiny", "model.dtype": "float32", "ray.enabled": True, "ray.num_workers": 1,
     "data.num_episodes": 16, "data.episode_tokens": 512,
     "bootstrap.max_steps": 2, "bootstrap.eval_steps": 2, "bootstrap.save_steps": 2, "bootstrap.batch_size": 2,
     "reward_model.max_steps": 2, "reward_model.eval_steps": 2, "reward_model.save_steps": 2,
@@ -47,8 +51,6 @@ TINY_PIPELINE = {
     "evaluate.forgetting_probe_items": 6,
     "evaluate.feedback_probe_target": "brom",  # a label of keyword_map at seed 0
     "evaluate.feedback_probe_queries": 3,
-    "evaluate.max_forgetting": 1.0,  # a random tiny model's answers are noise; the gates have their own unit test
-    "evaluate.min_gain": -1.0,  # random tiny models gain nothing; the test is about the orchestration
     "evaluate.adapter_scale": 0.5,  # the evaluated and registered weights are halfway to the base model
 }
 
@@ -67,9 +69,13 @@ def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory) -> Path:
-    """A git + DVC project like a fresh clone (sources, dvc.yaml, prefect.yaml) with tiny-model params."""
-    folder = tmp_path_factory.mktemp("project")
+def project(request) -> Path:
+    """A git + DVC project like a fresh clone (sources, dvc.yaml, prefect.yaml) with tiny-model params, in a short
+    folder: the training stages start Ray, which puts AF_UNIX sockets under .icrl/ray (107 bytes max)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="icrl-p-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("icrl_core", "tasks", "flows"):
         shutil.copytree(ROOT / name, folder / name, ignore=ignore)
@@ -93,6 +99,25 @@ def _api(client: httpx.Client, method: str, path: str, **kwargs):
     return response.json()
 
 
+def _wait(client: httpx.Client, flow_run_id: str, deadline: float) -> dict:
+    while True:
+        run = _api(client, "GET", f"/flow_runs/{flow_run_id}")
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") or time.time() > deadline:
+            return run
+        time.sleep(3)
+
+
+def _logs(client: httpx.Client, flow_run_id: str) -> str:
+    messages, offset = [], 0
+    while True:
+        page = _api(client, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                          "limit": 200, "offset": offset})
+        messages += [entry["message"] for entry in page]
+        if len(page) < 200:
+            return "\n".join(messages)
+        offset += 200
+
+
 def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(project, monkeypatch):
     from flows.services import Services
 
@@ -100,6 +125,7 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     monkeypatch.setenv("PREFECT_HOME", str(project / ".icrl" / "prefect"))
     monkeypatch.setenv("PREFECT_WORKER_QUERY_SECONDS", "2")
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    params_before = (project / "params.yaml").read_bytes()
     services = Services(prefect_port=_free_port())
     try:
         services.start_prefect()
@@ -109,42 +135,46 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
         services.start_worker()
         with httpx.Client(base_url=services.prefect_api, timeout=30) as client:
             deployment = _api(client, "GET", "/deployments/name/icrl-pipeline/pipeline")
-            # What the UI's "Custom run" form posts: the deployment's flow parameters.
-            flow_run = _api(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-                            json={"parameters": {"overrides": {"ppo.kl_beta": 0.05}}})
-            deadline = time.time() + 900
-            state = flow_run["state"]["type"]
-            while time.time() < deadline and state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                time.sleep(3)
-                state = _api(client, "GET", f"/flow_runs/{flow_run['id']}")["state"]["type"]
-            task_runs = _api(client, "POST", "/task_runs/filter",
-                             json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
-            logs = _api(client, "POST", "/logs/filter",
-                        json={"logs": {"flow_run_id": {"any_": [flow_run["id"]]}}, "limit": 200})
+            # What the UI's "Run" button posts. One run in the workspace (a run with overrides is a DVC experiment
+            # that restores the workspace afterwards: tests/test_experiments.py; two runs at once take too long
+            # for the suite).
+            created = [_api(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                            json={"parameters": {}})]
+            deadline = time.time() + 840
+            runs = [_wait(client, run["id"], deadline) for run in created]
+            task_runs = [_api(client, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+                         for run in runs]
+            logs = "\n".join(_logs(client, run["id"]) for run in runs)
+            # the promotion deployment takes an evaluation, not a metric: no caller can skip the gates
+            promotion = _api(client, "GET", "/deployments/name/icrl-promotion/promotion")
+            refused = client.post(f"/deployments/{promotion['id']}/create_flow_run",
+                                  json={"parameters": {"adapter_dir": "artifacts/ppo/adapter", "metric": 1.0}})
         worker_log = (project / ".icrl" / "logs" / "prefect-worker.log").read_text(errors="replace")
-        assert state == "COMPLETED", f"flow run ended {state}; worker log:\n{worker_log[-6000:]}"
+        for run in runs:
+            assert run["state"]["type"] == "COMPLETED", (f"{run['name']} ended {run['state']['type']}; logs:\n"
+                                                         f"{logs[-8000:]}\nworker log:\n{worker_log[-3000:]}")
     finally:
         services.stop()
 
-    states = {run["name"]: run["state"]["type"] for run in task_runs}
-    assert states == {stage: "COMPLETED" for stage in STAGES}
-    messages = "\n".join(entry["message"] for entry in logs)
-    assert "Running stage 'ppo'" in messages and "icrl stage ppo" in messages
-    # the parameter reached params.yaml (so DVC saw it) ...
-    from tasks.settings import load_config
-
-    assert load_config(project / "params.yaml", [], environ={}).ppo.kl_beta == 0.05
-    # ... every stage wrote its metrics, and the final policy was registered and promoted
-    for stage in STAGES:
+    assert refused.status_code >= 400, refused.text[:500]
+    for tasks in task_runs:
+        assert {run["name"]: run["state"]["type"] for run in tasks} == {stage: "COMPLETED" for stage in PIPELINE}
+    assert "Running stage 'ppo'" in logs and "icrl stage ppo" in logs
+    # the run left params.yaml as it was
+    assert (project / "params.yaml").read_bytes() == params_before
+    # ... every stage wrote its headline metrics, the full records are in the outputs
+    for stage in PIPELINE:
         assert (project / "metrics" / f"{stage}.json").exists(), stage
-    evaluated = json.loads((project / "metrics" / "evaluate.json").read_text())
+    evaluated = json.loads((project / "artifacts" / "evaluate" / "metrics.json").read_text())
+    headline = json.loads((project / "metrics" / "evaluate.json").read_text())
+    assert headline == {k: evaluated[k] for k in headline} and len(headline) < 10
     # the forgetting check is a paired comparison on the same 5 questions
     flips = evaluated["forgetting_became_correct"] - evaluated["forgetting_became_wrong"]
     assert flips / 5 == pytest.approx(-evaluated["forgetting_drop"])
     assert evaluated["forgetting_change_ci95_low"] <= -evaluated["forgetting_drop"] <= evaluated[
         "forgetting_change_ci95_high"]
     # ... and so is the multiple-choice probe, on 6 items
-    assert evaluated["forgetting_probe_items"] == 6 and evaluated["passes_forgetting_probe"]
+    assert evaluated["forgetting_probe_items"] == 6 and "passes_forgetting_probe" in evaluated
     probe_flips = evaluated["forgetting_probe_became_correct"] - evaluated["forgetting_probe_became_wrong"]
     assert probe_flips / 6 == pytest.approx(evaluated["forgetting_probe_trained_accuracy"]
                                             - evaluated["forgetting_probe_base_accuracy"])
@@ -158,12 +188,19 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
         assert evaluated[f"feedback_effect_n4_{which}"] == pytest.approx(
             conditions["n4_right"]["p_target"] - conditions["n4_wrong"]["p_target"])
         assert 0 < evaluated[f"feedback_p_target_n0_{which}"] < 1
+    # the real gates decided the alias: a version that fails them is never the champion
+    from tasks.settings import load_config
+    from tasks.evaluate import gates
+
     promoted = json.loads((project / "metrics" / "promote.json").read_text())
-    assert promoted["alias"] == "champion", promoted
+    decided = gates(evaluated, load_config(project / "params.yaml", [], environ={}).evaluate)
+    assert promoted["eligible"] == decided["eligible"] == evaluated["eligible"]
+    if not decided["eligible"]:
+        assert promoted["alias"] == "challenger", promoted
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
-    version = client.get_model_version_by_alias("icrl-policy", "champion")
+    version = client.get_model_version_by_alias("icrl-policy", promoted["alias"])
     assert int(version.version) == int(promoted["version"])
     # what was evaluated and registered is the trained adapter interpolated toward the base (adapter_scale 0.5)
     import torch
@@ -182,11 +219,8 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
 
 
 def test_dvc_repro_again_runs_nothing(project):
-    from tasks.stages import pipeline_stages
-
     started = time.perf_counter()
-    # the stages the pipeline ran (policy_optimization: ppo; the dpo stage is the other branch)
-    result = _run([str(BIN / "dvc"), "repro", *pipeline_stages("ppo", project)], project)
+    result = _run([str(BIN / "dvc"), "repro", *PIPELINE], project)
     seconds = time.perf_counter() - started
     output = result.stdout + result.stderr
     assert "Running stage" not in output, output
@@ -206,8 +240,25 @@ def test_dvc_plots_render_the_learning_curves_offline(project):
     assert len(images) == 4
 
 
+def test_a_bootstrap_rerun_with_the_same_weights_reruns_nothing_downstream(project):
+    """Downstream stages depend on the weights subfolder, not on the out folder whose metrics and timings change."""
+    import yaml
+
+    def bootstrap_lock() -> dict:
+        lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+        return {out["path"]: out["md5"] for out in lock["bootstrap"]["outs"]}
+
+    before = (project / "artifacts" / "bootstrap" / "adapter" / "adapter_model.safetensors").read_bytes()
+    old = bootstrap_lock()
+    _run([str(BIN / "dvc"), "repro", "--force", "--single-item", "bootstrap"], project)
+    assert (project / "artifacts" / "bootstrap" / "adapter" / "adapter_model.safetensors").read_bytes() == before
+    assert bootstrap_lock()["artifacts/bootstrap"] != old["artifacts/bootstrap"]  # metrics.json's timings moved
+    output = (lambda r: r.stdout + r.stderr)(_run([str(BIN / "dvc"), "repro", *PIPELINE], project))
+    assert "Running stage" not in output, output
+
+
 def test_dvc_exp_run_reruns_only_the_stages_that_depend_on_the_parameter(project):
-    result = _run([str(BIN / "dvc"), "exp", "run", "-S", "ppo.kl_beta=0.02"], project)
+    result = _run([str(BIN / "dvc"), "exp", "run", "-S", "ppo.kl_beta=0.03"], project)
     output = result.stdout + result.stderr
     ran = {stage for stage in STAGES if f"Running stage '{stage}'" in output}
     assert ran == {"ppo", "adapt", "evaluate", "promote"}, output[-3000:]

@@ -143,7 +143,10 @@ def test_the_champion_is_served_with_a_complete_environment_and_answers_as_the_p
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
+    # mlflow serves through `uvicorn` found on PATH: the venv's bin, as in an activated environment
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow.get_tracking_uri(),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     log = in_tmp / "serve.log"
     with open(log, "wb") as out:
         server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m",

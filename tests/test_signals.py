@@ -26,7 +26,10 @@ def _free_port() -> int:
 
 
 def _port_is_free(port: int) -> bool:
+    """Nothing listens on the port: a server could bind it now (SO_REUSEADDR, as servers do, so the closed
+    connections of the health checks, in TIME_WAIT for a minute, do not count)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

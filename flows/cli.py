@@ -159,6 +159,13 @@ def run_pipeline_with_summary(out) -> dict:
     out.print(f"pipeline wall time {seconds / 60:.1f} min; metrics in metrics/, artifacts in artifacts/, runs in "
               "MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`), learning curves: "
               "artifacts/evaluate/learning_curve.png, artifacts/ppo/reward_curve.png")
+    if "evaluate" in results:  # what the demo showed, in sentences (also metrics/demo.json)
+        from tasks.demo import write_demo_summary
+        from tasks.settings import load_config
+
+        out.print("")
+        for line in write_demo_summary(load_config("params.yaml")):
+            out.print(line)
     return results
 
 

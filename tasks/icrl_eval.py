@@ -551,15 +551,15 @@ DEMO_SETTINGS = {
 
 
 def run_demo(out) -> dict:
-    """In-context RL on keyword_map with the embedded SmolLM2-135M (dtype auto: bfloat16 where the CPU has
-    fast bf16 matmuls, else float32)."""
+    """In-context RL on keyword_map with the embedded SmolLM2-135M, in float32 (bfloat16 would be faster on CPUs
+    with AVX512-BF16, but its sampled predictions differ from one CPU to another)."""
     from tasks.cli_common import resolve_config
 
     settings = dict(DEMO_SETTINGS, run_name=time.strftime("demo-%Y%m%d-%H%M%S"))
     # On a busy 2-core machine one torch thread is much faster than two (threads spin while they wait).
     settings["threads"] = 1 if os.getloadavg()[0] >= 1.0 else 0
     config = resolve_config(None, [], extra={"icrl_eval": settings,
-                                             "model": {"spec": "smollm2-135m", "dtype": "auto"}})
+                                             "model": {"spec": "smollm2-135m", "dtype": "float32"}})
     out.print(f"In-context RL demo: SmolLM2-135M answers {settings['train_k']} keyword_map queries; each answer "
               "is rewarded and kept in its context (explorative strategy). Test accuracy on "
               f"{settings['test_k']} held-out queries (4 labels, chance 0.25):")

@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
 from icrl_core.code_config import CodeConfig  # noqa: F401  (hung on the pipeline config as `code`)
-from icrl_core.objectives import Objective, PPOObjective
+from icrl_core.objectives import ContextDistillation, Objective, PPOObjective
 from icrl_core.schema import Section
 
 
@@ -406,6 +406,10 @@ class PPOConfig(OptimFields):
     objective: Objective = Field(default_factory=PPOObjective, description="The policy-optimization objective "
                                  "(icrl_core/objectives.py): ppo, grpo, rloo, dr_grpo, gspo, opo, aipo. Group "
                                  "objectives need mode stream.")
+    distill: ContextDistillation = Field(default_factory=ContextDistillation, description="Context distillation "
+                                         "from the in-context-learning teacher (mode stream): the reward of each "
+                                         "step with the teacher's and the student's log-probabilities of the "
+                                         "answer.")
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, value head, checkpoints).")] = Path(
         "artifacts/ppo"
     )
@@ -418,6 +422,8 @@ class PPOConfig(OptimFields):
         if self.mode == "stream" and self.reward.kind != "task":
             raise ValueError(f"reward.kind={self.reward.kind}: stream rollouts are rewarded by the task (the "
                              "feedback in context is the task reward); use reward.kind=task")
+        if self.distill.active and self.mode != "stream":
+            raise ValueError("ppo.distill needs ppo.mode=stream (the teacher reads a stream's gold labels)")
         if self.objective.kind != "ppo" and self.stream.group_size < 2:
             raise ValueError(f"objective.kind={self.objective.kind} needs ppo.stream.group_size >= 2")
         return self

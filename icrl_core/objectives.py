@@ -118,6 +118,28 @@ OBJECTIVE_TYPES = (PPOObjective, GRPOObjective, RLOOObjective, DrGRPOObjective, 
                    AIPOObjective)
 
 
+class ContextDistillation(Section):
+    """Context distillation in stream mode (the asynchronous RL framework's context-distillation loss): the teacher
+    is the same weights shown the in-context-learning view of the stream (every past query with its gold label, no
+    feedback: the ICL upper bound), the student is the policy with its own answers and their feedback in context.
+    Each step's reward becomes (`distillation_rewards`)
+
+        r'_t = adv_tau * r_t + teacher_tau * log pi_teacher(a_t) - student_tau * log pi(a_t | s_t)
+
+    before returns and advantages, a_t the student's answer, both log-probs under the constrained decoding at
+    ppo.temperature. teacher_tau = student_tau = 0 (the default) is plain task reward."""
+
+    adv_tau: Annotated[float, Field(ge=0, description="Weight of the task reward r_t (1 or 0).")] = 1.0
+    teacher_tau: Annotated[float, Field(ge=0, description="Weight of the teacher's log-probability of the "
+                                        "student's answer (the distillation signal; 0: no teacher pass).")] = 0.0
+    student_tau: Annotated[float, Field(ge=0, description="Weight of minus the student's own log-probability of "
+                                        "its answer (an entropy bonus through the reward).")] = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.teacher_tau > 0 or self.student_tau > 0 or self.adv_tau != 1.0
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Masked statistics and aggregations
 
@@ -176,6 +198,15 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
         running = (rewards[:, t] + gamma * running) * maskf[:, t]
         returns[:, t] = running
     return returns
+
+
+def distillation_rewards(rewards: torch.Tensor, teacher_logp: torch.Tensor, student_logp: torch.Tensor,
+                         mask: torch.Tensor, adv_tau: float, teacher_tau: float, student_tau: float) -> torch.Tensor:
+    """r'_t = adv_tau * r_t + teacher_tau * log pi_teacher(a_t) - student_tau * log pi_student(a_t) per step
+    (ContextDistillation); 0 where mask is False. All (B, T) -> (B, T). The log-probs carry no gradient: they
+    enter the update as reward, through the advantages."""
+    shaped = adv_tau * rewards + teacher_tau * teacher_logp - student_tau * student_logp
+    return shaped.detach() * mask.to(rewards.dtype)
 
 
 def _group_columns(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ One iteration:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from icrl_core.distributed import mean_metrics, shard
 from icrl_core.objectives import (
     aipo_loss,
     discounted_returns,
+    distillation_rewards,
     dr_grpo_loss,
     grpo_advantages,
     grpo_loss,
@@ -59,6 +61,7 @@ from icrl_core.streams import (
     sample_stream_task,
     stream_outputs,
     stream_rng,
+    teacher_logprobs,
 )
 
 
@@ -262,6 +265,22 @@ def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: in
             "val_switch_after_wrong": stats["switch_after_wrong"]}
 
 
+def distilled(policy, streams: Sequence[Stream], batch: StreamBatch, cfg: PPOConfig
+              ) -> tuple[StreamBatch, dict[str, float]]:
+    """The batch with each step's reward replaced by the context-distillation reward (ppo.distill,
+    `objectives.distillation_rewards`), and the mean log-probs of the answers under teacher and student."""
+    distill = cfg.distill
+    mask = batch.step_mask
+    student = step_sums(batch.behaviour_logp, batch.action_step, batch.action_mask, mask.shape[1])
+    teacher = (teacher_logprobs(policy, streams, cfg.temperature) if distill.teacher_tau > 0
+               else torch.zeros_like(student))
+    shaped = distillation_rewards(batch.rewards, teacher, student, mask, distill.adv_tau, distill.teacher_tau,
+                                  distill.student_tau)
+    metrics = {"teacher_logp": float(masked_mean(teacher, mask)) if distill.teacher_tau > 0 else float("nan"),
+               "student_logp": float(masked_mean(student, mask)), "shaped_reward": float(masked_mean(shaped, mask))}
+    return dataclasses.replace(batch, rewards=shaped), metrics
+
+
 def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PPOConfig, beta: float, seed: int,
                 step: int, generator: torch.Generator, max_tokens: int) -> dict[str, float]:
     """One iteration in stream mode: this worker's share of the groups rolled out, prepared, updated."""
@@ -270,6 +289,10 @@ def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PP
                        max_tokens)
     rollout_seconds = time.perf_counter() - started
     batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    task_rewards = batch.rewards
+    distill_metrics = {}
+    if cfg.distill.active:
+        batch, distill_metrics = distilled(policy, streams, batch, cfg)
     prepared = prepare_streams(policy, batch, cfg, beta)
     metrics = stream_update(policy, optimizer, batch, prepared, cfg, beta, generator, scheduler)
     mask, step_mask = batch.action_mask, batch.step_mask
@@ -284,7 +307,8 @@ def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PP
         "action_tokens": float(mask.sum()),
         "beta": beta,
         **stream_statistics(streams),
-        "task_accuracy": float(masked_mean(batch.rewards, step_mask)),
+        "task_accuracy": float(masked_mean(task_rewards, step_mask)),
+        **distill_metrics,
         "rollout_seconds": rollout_seconds,
         "update_seconds": time.perf_counter() - started - rollout_seconds,
         "tokens": float(batch.attention_mask.sum()),

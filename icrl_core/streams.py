@@ -236,6 +236,65 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The in-context-learning teacher (context distillation)
+
+# What the teacher sees: the ICL upper bound's view (system prompt without the feedback sentence, every past query
+# answered with its gold label, no feedback turn).
+TEACHER_VIEW = Show(system_with_feedback=False, answer="gold", feedback=False)
+
+
+def path_logprob(trie: LabelTrie, scores: dict[int, np.ndarray], answer_ids: Sequence[int],
+                 temperature: float) -> float:
+    """log p(answer) under constrained decoding at `temperature`: the sum, over the branching nodes on the answer's
+    path, of log softmax(scores[node] / T)[the child taken]. scores: node -> its children's scores (trie order)."""
+    node, total = ROOT, 0.0
+    for token in answer_ids:
+        children = trie.children[node]
+        index = next(i for i, child in enumerate(children) if trie.token[child] == token)
+        if len(children) > 1:
+            total += math.log(float(child_distribution(scores[node], temperature)[index]))
+        node = children[index]
+    return total
+
+
+@torch.no_grad()
+def teacher_logprobs(policy, streams: Sequence[Stream], temperature: float) -> torch.Tensor:
+    """log pi_teacher(a_t) of every stream step (B, T), 0 past a stream's end: the policy's own weights shown the
+    TEACHER_VIEW of the stream's first t queries, then query t, scoring the label the stream answered there.
+
+    The G streams of a group share the task and the query order, and the teacher's context holds gold labels
+    only, so step t's teacher context is the same for the whole group: the label trie is scored once per group
+    and step, through the exact torch engine (its prefix cache reuses each step's context for the next)."""
+    from icrl_core.inference.base import TrieRequest
+    from icrl_core.inference.torch_backend import TorchEngine
+
+    policy.eval()
+    tokens: Tokens = policy.tokens
+    engine = TorchEngine(policy)  # serves the policy as it is now (adapters on): same weights, other context
+    out = torch.zeros((len(streams), max(len(s.steps) for s in streams)))
+    members: dict[int, list[int]] = {}
+    for b, stream in enumerate(streams):
+        members.setdefault(stream.group, []).append(b)
+    try:
+        for rows in members.values():
+            task = streams[rows[0]].task
+            trie = LabelTrie.build(candidate_sequences(tokens, task.template, list(task.labels)))
+            golds = [EpisodeRecord(t, q.text, q.label, q.label, 1, 1) for t, q in enumerate(task.queries)]
+            requests = []
+            for t, query in enumerate(task.queries):
+                context, user_open = render_context(tokens, task.template, golds[:t], TEACHER_VIEW)
+                prompt = tuple(context) + tuple(render_query(tokens, task.template, query.text, user_open))
+                requests.append(TrieRequest(prompt, trie, shared_length=len(context)))
+            scores = engine.trie_logprobs(requests)
+            for b in rows:
+                for t, step in enumerate(streams[b].steps):
+                    out[b, t] = path_logprob(trie, scores[t], step.answer_ids, temperature)
+    finally:
+        engine.close()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Streams as tensors, and the one-pass log-probs
 
 

@@ -174,3 +174,15 @@ def test_dpo_and_ipo_by_hand():
     assert dpo_loss(pc, pr, rc, rr, beta).item() == pytest.approx(expected_dpo, abs=1e-6)
     # IPO target 1 / (2 * 0.1) = 5: ((1.5 - 5)^2 + (-1 - 5)^2) / 2 = (12.25 + 36) / 2
     assert ipo_loss(pc, pr, rc, rr, beta).item() == pytest.approx(24.125, abs=1e-5)
+
+
+def test_distillation_rewards_by_hand():
+    from icrl_core.objectives import distillation_rewards
+
+    rewards, teacher, student = T([[1.0, 0.0, 0.0]]), T([[-0.5, -2.0, -1.0]]), T([[-1.0, -0.25, -3.0]])
+    mask = T([[True, True, False]])
+    # 0.5 * r + 2 * teacher - 0.1 * student; the masked step is 0
+    out = distillation_rewards(rewards, teacher, student, mask, adv_tau=0.5, teacher_tau=2.0, student_tau=0.1)
+    assert torch.allclose(out, T([[0.5 - 1.0 + 0.1, 0.0 - 4.0 + 0.025, 0.0]]))
+    # the default weights leave the task reward as it is
+    assert torch.equal(distillation_rewards(rewards, teacher, student, mask, 1.0, 0.0, 0.0), T([[1.0, 0.0, 0.0]]))

@@ -82,6 +82,27 @@ def test_every_objective_updates_the_policy_from_streams(policy, kind):
     assert all(torch.isfinite(v).all() for v in after.values())  # padded candidates must not poison gradients
 
 
+def test_context_distillation_shapes_the_reward_with_the_teacher(policy):
+    """ppo.distill: the teacher pass runs, the advantages come from the distillation reward, the task accuracy
+    stays the task's, and the update moves the adapter."""
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, stream={"steps": 4, "group_size": 3, "groups": 2},
+                    distill={"adv_tau": 0.5, "teacher_tau": 1.0, "student_tau": 0.1}, epochs=1, minibatch_size=3,
+                    batch_size=6, learning_rate=1e-2, kl_beta=0.0, temperature=1.0)
+    fresh(policy)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, resolve_sources(DATA, 0), DATA, cfg, 0.0, 0, 1,
+                          iteration_generator(0, 1), 2048)
+    assert metrics["teacher_logp"] < 0 and metrics["student_logp"] < 0
+    assert metrics["shaped_reward"] == pytest.approx(0.5 * metrics["task_accuracy"] + metrics["teacher_logp"]
+                                                     - 0.1 * metrics["student_logp"], abs=1e-5)
+    assert metrics["task_accuracy"] == pytest.approx(metrics["mean_reward"])
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="ppo.distill needs ppo.mode=stream"):
+        PPOConfig(distill={"teacher_tau": 1.0})
+
+
 def test_skipped_passes_give_the_same_advantages(policy):
     """One epoch without KL: pi_old is the generation's behaviour log-prob and no reference pass runs; the
     advantages and log-probs equal those of the full preparation."""

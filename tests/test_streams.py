@@ -16,12 +16,14 @@ from icrl_core.icrl_eval import Predictor, label_distribution, render_context, r
 from icrl_core.kernels import PrefixCache
 from icrl_core.streams import (
     STREAM_VIEW,
+    TEACHER_VIEW,
     collate_streams,
     generate_streams,
     mine_preference_pairs,
     sample_stream_task,
     stream_outputs,
     stream_rng,
+    teacher_logprobs,
 )
 
 STEPS = 6
@@ -164,3 +166,25 @@ def test_streams_of_tasks_with_different_label_counts_train_with_finite_gradient
     grads = [p.grad for n, p in policy.model.named_parameters() if "lora" in n and p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     policy.model.zero_grad(set_to_none=True)
+
+
+def test_the_teacher_scores_each_answer_as_the_harness_would_after_the_gold_labelled_context(policy, task, streams):
+    """Context distillation's teacher: the same weights shown the ICL view (every past query with its gold label,
+    no feedback); exp(teacher log-prob of a stream's answer) is the harness's p(label) in that context, and the
+    streams of a group (same task and queries) get one teacher context per step."""
+    from icrl_core.icrl_eval import EpisodeRecord
+
+    teacher = teacher_logprobs(policy, streams, temperature=1.0)
+    assert teacher.shape == (len(streams), STEPS) and (teacher <= 0).all()
+    predictor = Predictor(policy, policy.tokens, task.template, list(task.labels), PrefixCache(policy), 1.0)
+    golds = [EpisodeRecord(t, q.text, q.label, q.label, 1, 1) for t, q in enumerate(task.queries)]
+    for b, stream in enumerate(streams):
+        for t, step in enumerate(stream.steps):
+            context, user_open = render_context(policy.tokens, task.template, golds[:t], TEACHER_VIEW)
+            probs = label_distribution(predictor, context, user_open, task.queries[t].text, 1.0)
+            label = list(task.labels).index(step.record.prediction)
+            assert math.exp(teacher[b, t]) == pytest.approx(probs[label], abs=2e-4)
+    # the teacher's view differs from the student's: after a wrong answer the student sees 'wrong', the teacher
+    # the gold label, so their probabilities differ somewhere
+    student = torch.tensor([[s.logp for s in stream.steps] for stream in streams])
+    assert not torch.allclose(teacher, student, atol=1e-3)

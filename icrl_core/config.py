@@ -693,6 +693,15 @@ class EvaluateConfig(Section):
                                                            "trained model's final test accuracy (first strategy) "
                                                            "to beat its own zero-shot accuracy by at least "
                                                            "this.")] = None
+    start_adapter: Annotated[Path | None, Field(description="The adapter the evaluated one was trained from (e.g. "
+                                                "artifacts/bootstrap/adapter when the RL stage starts from the "
+                                                "bootstrap): evaluated with the same strategies and seeds, so the "
+                                                "gain of the last training stage is measured (gain_over_start). "
+                                                "None: not evaluated.")] = None
+    min_gain_over_start: Annotated[float | None, Field(ge=-1, le=1, description="If set (with start_adapter), "
+                                                       "promotion also requires the trained model's final test "
+                                                       "accuracy (first strategy) to beat the start adapter's by "
+                                                       "more than this.")] = None
     reuse_runs: Annotated[bool, Field(description="Reuse a finished evaluation run (and forgetting measurement) "
                                       "with the same model (a trained adapter by its bytes), icrl_eval settings, "
                                       "seed, data and harness code, kept in .icrl/evaluations/: base-model runs "

@@ -441,6 +441,8 @@ def gates(metrics: dict, cfg) -> dict:
         out["passes_forgetting_probe"] = abs(metrics["forgetting_probe_change"]) <= cfg.max_forgetting + 1e-9
     if cfg.min_gain_over_zero_shot is not None and "trained_zero_shot_final_test_accuracy" in metrics:
         out["passes_gain_over_zero_shot"] = metrics["gain_over_zero_shot"] >= cfg.min_gain_over_zero_shot - 1e-9
+    if cfg.min_gain_over_start is not None and "gain_over_start" in metrics:
+        out["passes_gain_over_start"] = metrics["gain_over_start"] > cfg.min_gain_over_start
     out["eligible"] = all(out.values())
     return out
 
@@ -541,8 +543,12 @@ def run(config: PipelineConfig) -> dict:
     metrics["adapter"] = str(adapter)  # the weights evaluated here, and the ones the promote stage registers
     metrics["adapter_sha256"] = adapter_digest(adapter)  # promotion checks it still holds these bytes
     headline = cfg.strategies[0]
-    jobs = [(strategy, which, adapter_dir) for strategy in cfg.strategies
-            for which, adapter_dir in (("base", None), ("trained", adapter))]
+    models = [("base", None), ("trained", adapter)]
+    if cfg.start_adapter is not None:  # the adapter training started from: the last stage's own gain
+        models.append(("start", require_adapter(cfg.start_adapter, "evaluate.start_adapter",
+                                                "run the stage that writes it first")))
+        metrics["start_adapter"] = str(cfg.start_adapter)
+    jobs = [(strategy, which, adapter_dir) for strategy in cfg.strategies for which, adapter_dir in models]
     with stage_run(config, STAGE) as tracker:
         configs = [_eval_config(config, *job) for job in jobs]
         measured = ((None, adapter) if cfg.forgetting_questions or cfg.forgetting_probe_items
@@ -569,6 +575,8 @@ def run(config: PipelineConfig) -> dict:
         if "trained_zero_shot_final_test_accuracy" in metrics:
             metrics["gain_over_zero_shot"] = (metrics["trained_final_test_accuracy"]
                                               - metrics["trained_zero_shot_final_test_accuracy"])
+        if "start_final_test_accuracy" in metrics:
+            metrics["gain_over_start"] = metrics["trained_final_test_accuracy"] - metrics["start_final_test_accuracy"]
         report: dict = {"metrics": metrics}
         if measured:
             base_ability, trained_ability = abilities

@@ -240,3 +240,35 @@ def test_a_feedback_probe_label_the_task_lacks_fails_before_any_run(in_tmp):
     with pytest.raises(UserError, match="'entity' is not a label of task 'keyword_map'"):
         stage.run(config)
     assert not (in_tmp / ".icrl" / "evaluations").exists()  # no run started
+
+
+def test_the_adapter_training_started_from_is_evaluated_alike_and_gated(in_tmp):
+    """evaluate.start_adapter: the start adapter (the bootstrap, when RL trains on top of it) runs with the same
+    strategies and seeds as the trained one, gain_over_start is their difference, and min_gain_over_start gates
+    promotion on it."""
+    import tasks.evaluate as stage
+    from icrl_core.config import LoraAdapter
+    from icrl_core.model import policy_from_config
+
+    config = load_config(None, ["model.spec=tiny", "tracking.enabled=false", "icrl_eval.task=keyword_map",
+                                "icrl_eval.train_k=6", "icrl_eval.test_every=3", "icrl_eval.test_k=4",
+                                "evaluate.strategies=[explorative]", "evaluate.workers=1",
+                                "evaluate.forgetting_questions=0", "evaluate.forgetting_probe_items=0",
+                                f"evaluate.adapter={in_tmp / 'rl'}", f"evaluate.start_adapter={in_tmp / 'start'}",
+                                "evaluate.min_gain_over_start=0.0", f"evaluate.output_dir={in_tmp / 'evaluate'}"],
+                         environ={})
+    for name, seed in (("start", 1), ("rl", 2)):
+        policy = policy_from_config(config.model.model_copy(update={"adapter": LoraAdapter(rank=4)}), seed=seed)
+        with __import__("torch").no_grad():
+            for param_name, param in policy.model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(std=0.5)
+        policy.save_adapter(in_tmp / name)
+    metrics = stage.run(config)
+    assert {"start_explorative_final_test_accuracy", "start_final_test_accuracy", "gain_over_start"} <= set(metrics)
+    assert metrics["gain_over_start"] == metrics["trained_final_test_accuracy"] - metrics["start_final_test_accuracy"]
+    assert metrics["passes_gain_over_start"] == (metrics["gain_over_start"] > 0.0)
+    assert (in_tmp / "evaluate" / "runs" / "start-explorative" / "metrics.json").exists()
+    cfg = EvaluateConfig(min_gain_over_start=0.05)
+    assert not gates({"gain": 0.1, "gain_over_start": 0.05}, cfg)["eligible"]
+    assert gates({"gain": 0.1, "gain_over_start": 0.06}, cfg)["eligible"]

@@ -45,6 +45,7 @@ TINY_PIPELINE = {
     "reward_model.batch_size": 2,
     "ppo.max_steps": 2, "ppo.rollout_episodes": 2, "ppo.batch_size": 2, "ppo.minibatch_size": 2, "ppo.epochs": 1,
     "ppo.eval_steps": 2, "ppo.eval_episodes": 2, "ppo.save_steps": 2, "ppo.max_new_tokens": 3,
+    "ppo.stream": {"steps": 4, "group_size": 2, "groups": 1, "eval_groups": 1},
     "adapt.num_requests": 1, "adapt.steps": 1,
     "icrl_eval.train_k": 6, "icrl_eval.test_every": 3, "icrl_eval.test_k": 4,
     "evaluate.forgetting_questions": 5,

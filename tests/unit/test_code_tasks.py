@@ -1,10 +1,7 @@
 """The code-task family: size, determinism, split by template, every template's reference passing its hidden tests
-in the sandbox, the reward's pure components, and `icrl tasks` listing it."""
+in the sandbox, the reward's pure components. `icrl tasks` listing it: tests/integration/test_code_tasks.py."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
@@ -12,7 +9,6 @@ from icrl_core.code_reward import (CodeConfig, CodeRewardConfig, HarnessReport, 
                                    cyclomatic_complexity, docstring_score, extract_code, length_penalty,
                                    lint_findings, score_many, time_efficiency)
 from icrl_core.code_tasks import TEST_TEMPLATES, code_tasks, split_tasks, summary
-from tests.conftest import ROOT
 
 
 def test_at_least_300_tasks_at_three_levels_and_four_families():
@@ -77,11 +73,3 @@ def test_extract_code_from_a_completion():
     fenced = f"Here it is:\n```python\n{task.prompt}{body}```\nDone."
     assert extract_code(fenced, task) == task.prompt + body
     assert extract_code(body, task) == task.prompt + body  # a bare body gets the signature
-
-
-def test_icrl_tasks_lists_the_code_family():
-    out = subprocess.run([sys.executable, "-m", "tasks.cli", "tasks"], cwd=ROOT, capture_output=True, text=True,
-                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert f"code_tasks: {len(code_tasks())} Python function tasks" in out.stdout
-    assert "run_length" in out.stdout and "list[int]" in out.stdout

@@ -7,7 +7,7 @@ import pytest
 from icrl_core.episodes import Episode, read_episodes, render_episode, render_episodes, write_episodes
 from icrl_core.errors import EpisodeFileError, EpisodeTooLongError
 from icrl_core.prompting import template_for
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
 
 BAD = ROOT / "tests" / "data" / "bad_episodes"
 EXPECTED = json.loads((BAD / "expected.json").read_text())
@@ -24,17 +24,6 @@ def test_malformed_corpus_reports_every_bad_line(name):
         assert any(reason in p for p in hits), (line, reason, problems)
     reported_lines = {p[len(str(path)) + 1:].split(":", 1)[0] for p in problems}
     assert reported_lines == set(EXPECTED[name]), problems
-
-
-def test_cli_validate_lists_each_bad_line_and_exits_2():
-    path = BAD / "several_bad.jsonl"
-    result = run_cli("validate-episodes", str(path))
-    assert result.returncode == 2
-    for line in EXPECTED["several_bad.jsonl"]:
-        assert f"{path}:{line}: " in result.stderr
-    ok = run_cli("validate-episodes", str(ROOT / "examples" / "episodes.jsonl"))
-    assert ok.returncode == 0, ok.stderr
-    assert "3 episode(s)" in ok.stdout
 
 
 def test_write_then_read_round_trip(tmp_path):

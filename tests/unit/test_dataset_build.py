@@ -1,5 +1,6 @@
 """Dataset build: determinism, episodic randomization, support exemplars, label permutation, feedback style,
-split, mixing, file sources (bad file: exit 2, nothing written), token budget, model-chosen rejected answers."""
+split, mixing, file sources, token budget, model-chosen rejected answers. A bad episode file through
+`icrl stage build_dataset` (exit 2, nothing written): tests/integration/test_dataset_build.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from icrl_core.dataset_build import (allocate, apply_budget, build_episodes, dat
 from icrl_core.episodes import read_episodes, render_episode
 from icrl_core.errors import EpisodeFileError, UserError
 from icrl_core.task_data import keyword_map, load_task
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
 from tests.stage_helpers import keyword_data, stage_args
 
 
@@ -204,15 +205,6 @@ def test_bad_inputs_raise_before_building(tmp_path):
         resolve_sources(keyword_data(sources=[SyntheticSource(name="banking77")]), 0)
     with pytest.raises(UserError, match="at least one exemplar"):
         _build(k_exemplars=0)
-
-
-def test_bad_episode_file_exits_2_and_writes_nothing(tmp_path):
-    bad = ROOT / "tests" / "data" / "bad_episodes" / "several_bad.jsonl"
-    result = run_cli("stage", "build_dataset", *stage_args(f"data.sources=[{{kind: file, path: '{bad}'}}]"),
-                     cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert f"{bad}:" in result.stderr
-    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "metrics").exists()
 
 
 def test_budget_shaves_from_the_front_and_the_card_counts_it(tokens):

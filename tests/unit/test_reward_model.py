@@ -1,5 +1,6 @@
 """Reward model: scoring at the last real token, save/load round trip, refusal of wrong or corrupt folders,
-Bradley-Terry training that learns, data-parallel equivalence and bitwise resume (tiny model)."""
+data-parallel equivalence, pairs from tokenized queries (tiny model). Bradley-Terry training and bitwise resume:
+tests/integration/test_reward_model.py."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ import shutil
 import pytest
 import torch
 
-from icrl_core.checkpoint import list_checkpoints
-from icrl_core.config import LoraAdapter, ModelConfig, RewardModelConfig
+from icrl_core.config import LoraAdapter, ModelConfig
 from icrl_core.distributed import shard
 from icrl_core.errors import CheckpointError, UserError
 from icrl_core.reward_model import load_reward_model, new_reward_model, save_reward_model
-from icrl_core.supervised import Pair, episode_pairs, evaluate_reward_model, reward_micro_step, train_reward_model
-from tasks.runtime import LocalRuntime
+from icrl_core.supervised import Pair, episode_pairs, reward_micro_step
 from tests.stage_helpers import keyword_rows
 
 TINY = ModelConfig(spec="tiny", adapter=LoraAdapter(rank=4, alpha=8))
@@ -77,34 +76,6 @@ def test_save_load_round_trip_and_refusals(tmp_path, tokens):
     (broken / "adapter.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError):
         load_reward_model(broken, TINY)
-
-
-def _cfg(**kw):
-    base = dict(max_steps=12, batch_size=4, grad_accum=1, save_steps=4, eval_steps=6, learning_rate=1e-3,
-                head_learning_rate=3e-2, warmup_steps=0, lr_schedule="constant")
-    base.update(kw)
-    return RewardModelConfig(**base)
-
-
-def test_bradley_terry_training_learns_and_resumes_bitwise(tmp_path, tokens):
-    pairs = _toy_pairs(tokens, 24)
-    train, val = pairs[:16], pairs[16:]
-    rm = new_reward_model(TINY, None, seed=0)
-    before = evaluate_reward_model(rm, val, 4)
-    runtime = LocalRuntime(tmp_path / "full")
-    metrics, _ = train_reward_model(rm, train, val, _cfg(), seed=3, runtime=runtime)
-    assert metrics["val_pairwise_accuracy"] == 1.0 and metrics["val_loss"] < before["val_loss"]
-    assert metrics["val_margin"] > 0 and metrics["val_pairs"] == 8
-    step8 = [p for p in list_checkpoints(tmp_path / "full") if p.name.endswith("00000008")]
-    shutil.copytree(step8[0], tmp_path / "resumed" / step8[0].name)
-    resumed = new_reward_model(TINY, None, seed=0)
-    runtime2 = LocalRuntime(tmp_path / "resumed")
-    metrics2, _ = train_reward_model(resumed, train, val, _cfg(), seed=3, runtime=runtime2)
-    assert [h["step"] for h in runtime2.history] == [9, 10, 11, 12]
-    drop = {"tokens_per_s"}
-    assert {k: v for k, v in metrics2.items() if k not in drop} == {k: v for k, v in metrics.items() if k not in drop}
-    a, b = rm.trainable_tensors(), resumed.trainable_tensors()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_two_rank_shards_give_the_one_process_gradient(tokens):

@@ -12,18 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tasks.settings import load_config
 from tests.conftest import ROOT, run_cli
 from tests.ppo_helpers import write_keyword_dataset
-
-TINY_PPO = [
-    "model.spec=tiny", "tracking.enabled=false", "data.output_dir=data", "ppo.max_steps=4", "ppo.save_steps=1",
-    "ppo.rollout_episodes=4", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.epochs=2", "ppo.eval_steps=2",
-    "ppo.eval_episodes=2", "ppo.max_new_tokens=3", "ppo.epsilon_mixture=0.2", "ppo.learning_rate=1e-3",
-    "ppo.kl_control={kind: adaptive, target: 0.05, horizon: 100}",
-]
+from tests.unit.test_ppo_stage import TINY_PPO
 
 
 def _cli_args(overrides: list[str]) -> list[str]:
@@ -64,19 +56,6 @@ def test_ppo_stage_writes_outputs_and_uses_a_reward_model(in_tmp):
     # the tiny model never answers right: the reward is the reward model's score alone, 0.5 * r(x, y)
     assert last["task_accuracy"] == 0.0 and last["mean_reward"] != 0.0
     assert not (in_tmp / ".icrl" / "checkpoints").exists() or not any((in_tmp / ".icrl" / "checkpoints").iterdir())
-
-
-def test_ppo_stage_refuses_bad_inputs_with_clear_errors(in_tmp):
-    from icrl_core.errors import UserError
-    from tasks.ppo import run
-
-    with pytest.raises(UserError, match="build_dataset"):
-        run(load_config(None, TINY_PPO, environ={}))
-    write_keyword_dataset(in_tmp / "data", train=4, val=1)
-    with pytest.raises(UserError, match="ppo.reward_model_path"):
-        run(load_config(None, TINY_PPO + ["ppo.reward={kind: reward_model}"], environ={}))
-    with pytest.raises(UserError, match="trainable"):
-        run(load_config(None, TINY_PPO + ["model.adapter={kind: none}"], environ={}))
 
 
 def _wait_for_checkpoint(folder: Path, process: subprocess.Popen, timeout: float = 300) -> Path:

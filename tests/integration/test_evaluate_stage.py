@@ -1,22 +1,15 @@
-"""The evaluate stage's parts: evaluation runs in a process pool give exactly what they give one after another,
-and the promotion gates (held-out gain, gain over the model's own zero-shot, forgetting)."""
+"""The evaluate stage's evaluation runs (tiny model): runs in a process pool or as streams of one engine give
+exactly what they give one after another, finished runs and forgetting measurements are reused, and an
+interrupted run resumes from its log. The stage's parts: tests/unit/test_evaluate_stage.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from icrl_core.config import EvaluateConfig
 from tasks.settings import load_config, with_overrides
-from tasks.evaluate import _eval_config, gates, run_evaluations
-
-
-def _configs(folder: Path) -> list:
-    base = ["model.spec=tiny", "tracking.enabled=false", "icrl_eval.task=keyword_map", "icrl_eval.train_k=8",
-            "icrl_eval.test_every=4", "icrl_eval.test_k=6", "icrl_eval.temperature=1.0",
-            f"icrl_eval.output_dir={folder}"]
-    return [load_config(None, base + [f"icrl_eval.strategy={s}", f"icrl_eval.run_name={s}"], environ={})
-            for s in ("explorative", "naive", "zero_shot")]
+from tasks.evaluate import run_evaluations
+from tests.unit.test_evaluate_stage import _configs
 
 
 def _steps(run_dir: str) -> list[dict]:
@@ -44,39 +37,6 @@ def test_runs_as_streams_of_one_engine_equal_runs_in_turn(tmp_path):
         for a, b in zip(in_turn, streamed):
             assert _steps(a["run_dir"]) == _steps(b["run_dir"])
             assert a["test_accuracy"] == b["test_accuracy"]
-
-
-def test_a_strategy_may_explore_hotter_while_every_run_is_tested_alike():
-    config = load_config(None, ["icrl_eval.temperature=1.0", "evaluate.temperatures={explorative: 2.0}"],
-                         environ={})
-    hot = _eval_config(config, "explorative", "trained", Path("adapter"))
-    naive = _eval_config(config, "naive", "base", None)
-    assert (hot.icrl_eval.temperature, hot.icrl_eval.test_temperature) == (2.0, 1.0)
-    assert (naive.icrl_eval.temperature, naive.icrl_eval.test_temperature) == (1.0, None)  # tested at 1.0 too
-    assert hot.model.init_adapter == Path("adapter") and naive.model.init_adapter is None
-    fixed = load_config(None, ["icrl_eval.test_temperature=0", "evaluate.temperatures={explorative: 2.0}"],
-                        environ={})
-    assert _eval_config(fixed, "explorative", "base", None).icrl_eval.test_temperature == 0.0
-
-
-def test_promotion_gates():
-    cfg = EvaluateConfig(min_gain=0.0, max_forgetting=0.02, min_gain_over_zero_shot=0.15)
-    good = {"gain": 0.1, "forgetting_drop": 0.01, "trained_zero_shot_final_test_accuracy": 0.2,
-            "gain_over_zero_shot": 0.15}
-    assert gates(good, cfg) == {"passes_gain": True, "passes_forgetting": True, "passes_gain_over_zero_shot": True,
-                                "eligible": True}
-    assert not gates({**good, "gain": 0.0}, cfg)["eligible"]  # the gain must be positive
-    assert not gates({**good, "forgetting_drop": 0.03}, cfg)["eligible"]
-    assert not gates({**good, "gain_over_zero_shot": 0.1}, cfg)["eligible"]
-    # without a zero-shot run (or without the requirement) only the gain and forgetting count
-    no_zero_shot = {"gain": 0.1, "forgetting_drop": 0.0}
-    assert gates(no_zero_shot, cfg) == {"passes_gain": True, "passes_forgetting": True, "eligible": True}
-    # the multiple-choice probe, when measured, must stay within max_forgetting either way
-    probed = gates({**no_zero_shot, "forgetting_probe_change": -0.015}, cfg)
-    assert probed["passes_forgetting_probe"] and probed["eligible"]
-    assert gates({**no_zero_shot, "forgetting_probe_change": 0.02}, cfg)["eligible"]
-    assert not gates({**no_zero_shot, "forgetting_probe_change": -0.03}, cfg)["eligible"]
-    assert not gates({**no_zero_shot, "forgetting_probe_change": 0.025}, cfg)["eligible"]  # a move, not a drop
 
 
 def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_tmp):
@@ -128,27 +88,6 @@ def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
     assert not any((in_tmp / ".icrl" / "evaluations" / "partial").iterdir())
     again, resumed, _ = evaluation_results(configs, workers=1, reuse=True)
     assert resumed == 0 and all(r["cached"] for r in again)
-
-
-def test_a_trained_adapter_is_known_by_its_bytes_not_its_path(in_tmp):
-    import shutil
-
-    from tasks.settings import with_overrides
-    from icrl_core.model import policy_from_config
-    from tasks.evaluate import result_key
-
-    config = _configs(in_tmp / "runs")[0]
-    policy = policy_from_config(config.model)
-    policy.save_adapter(in_tmp / "a")
-    shutil.copytree(in_tmp / "a", in_tmp / "b")
-    key = {name: result_key(with_overrides(config, {"model.init_adapter": str(in_tmp / name)})) for name in "ab"}
-    assert key["a"] == key["b"] != result_key(config)
-    with open(in_tmp / "b" / "adapter_model.safetensors", "r+b") as handle:  # retrained in place: other bytes
-        handle.seek(-1, 2)
-        last = handle.read(1)
-        handle.seek(-1, 2)
-        handle.write(bytes([last[0] ^ 1]))
-    assert result_key(with_overrides(config, {"model.init_adapter": str(in_tmp / "b")})) != key["a"]
 
 
 def test_forgetting_measurements_are_kept_and_reused(in_tmp, monkeypatch):
@@ -224,19 +163,3 @@ def test_a_run_resumes_after_its_adapter_moved(in_tmp):
     (done,), resumed, _ = evaluation_results([moved], workers=1, reuse=True)
     assert resumed == 1
     assert json.loads(Path(done["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
-
-
-def test_a_feedback_probe_label_the_task_lacks_fails_before_any_run(in_tmp):
-    import pytest
-
-    import tasks.evaluate as stage
-    from icrl_core.errors import UserError
-    from icrl_core.model import policy_from_config
-
-    config = load_config(None, ["model.spec=tiny", "tracking.enabled=false", "icrl_eval.task=keyword_map",
-                                f"evaluate.adapter={in_tmp / 'adapter'}", "evaluate.feedback_probe_target=entity"],
-                         environ={})
-    policy_from_config(config.model).save_adapter(in_tmp / "adapter")
-    with pytest.raises(UserError, match="'entity' is not a label of task 'keyword_map'"):
-        stage.run(config)
-    assert not (in_tmp / ".icrl" / "evaluations").exists()  # no run started

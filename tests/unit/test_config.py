@@ -8,7 +8,7 @@ import yaml
 from icrl_core.config import AdaptiveKL, LastBlocksAdapter
 from tasks.settings import (ConfigError, PipelineConfig, config_to_flat_params, describe_fields, load_config,
                             with_overrides)
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
 
 
 def write(tmp_path, data) -> str:
@@ -108,17 +108,6 @@ def test_params_yaml_of_the_repo_is_valid():
 
     cfg = load_config(ROOT / "params.yaml", [], environ={})
     assert cfg.model.spec == "smollm2-135m"
-
-
-def test_cli_reports_bad_override_with_exit_code_2(tmp_path):
-    result = run_cli("config", "show", "--set", "ppo.kl_bta=1", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "ppo.kl_bta: unknown key" in result.stderr
-    result = run_cli("config", "show", "--set", "ppo.kl_beta=0.02", cwd=tmp_path,
-                     env={"ICRL_PPO__EPOCHS": "7"})
-    assert result.returncode == 0, result.stderr
-    shown = yaml.safe_load(result.stdout)
-    assert shown["ppo"]["kl_beta"] == 0.02 and shown["ppo"]["epochs"] == 7
 
 
 def test_every_cli_command_documents_every_option():
@@ -231,33 +220,6 @@ def _three_layers(tmp_path) -> list[Path]:
     return files
 
 
-def test_config_show_origin_names_the_file_variable_or_flag_of_every_value(tmp_path):
-    base, experiment, local = _three_layers(tmp_path)
-    result = run_cli("config", "show", "--origin", "-c", str(base), "--params", str(experiment), f"@{local}",
-                     "--set", "ppo.kl_beta=0.5", cwd=tmp_path, env={"ICRL_PPO__VF_COEF": "0.25"})
-    assert result.returncode == 0, result.stderr
-    shown = {}
-    for line in result.stdout.splitlines():
-        entry, origin = line.rsplit("  # ", 1)
-        key, value = entry.split(": ", 1)
-        shown[key] = (yaml.safe_load(value), origin)
-    assert shown["seed"] == (5, str(base))
-    assert shown["ppo.epochs"] == (3, str(experiment))
-    assert shown["ppo.entropy_beta"] == (0.3, str(local))
-    assert shown["model.dtype"] == ("float32", str(local))
-    assert shown["model.adapter.kind"] == ("last_blocks", str(experiment))
-    assert shown["ppo.kl_beta"] == (0.5, "--set ppo.kl_beta=0.5")
-    assert shown["ppo.vf_coef"] == (0.25, "ICRL_PPO__VF_COEF")
-    assert shown["ppo.clip_range"] == (0.2, "default")
-    # every key of the schema is listed, and the listing is itself a config file giving the same config
-    for key, _, _ in describe_fields():
-        assert key in shown or any(name.startswith(key + ".") for name in shown), key
-    listing = tmp_path / "listing.yaml"
-    listing.write_text(result.stdout)
-    assert load_config([listing], [], environ={}) == load_config([base, experiment, local], ["ppo.kl_beta=0.5"],
-                                                                 environ={"ICRL_PPO__VF_COEF": "0.25"})
-
-
 BAD_FILES = {  # what a bad layer holds -> what the error must say besides the file name
     "yaml": ("ppo: {kl_beta: [\n", "not valid YAML"),
     "unknown_key": ("ppo.kl_bta: 1\n", "ppo.kl_bta: unknown key"),
@@ -292,17 +254,6 @@ def test_a_bad_file_in_any_layer_is_named_with_its_key(tmp_path, kind, position)
     assert not any(str(other) in message for other in files if other != files[position]), message
 
 
-@pytest.mark.parametrize("position, kind", [(0, "unknown_key"), (1, "not_utf8"), (2, "bad_value")])
-def test_cli_exits_2_naming_the_bad_layer(tmp_path, position, kind):
-    files = _three_layers(tmp_path)
-    files[position] = _bad_layer(tmp_path, kind)
-    args = [arg for path in files for arg in ("-c", str(path))]
-    result = run_cli("config", "show", *args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert str(files[position]) in result.stderr and BAD_FILES[kind][1] in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
-
-
 def test_errors_name_the_variable_or_set_item_of_a_bad_value():
     with pytest.raises(ConfigError, match=r"ppo.kl_beta: .*\[from ICRL_PPO__KL_BETA\]"):
         load_config(None, [], environ={"ICRL_PPO__KL_BETA": "-1"})
@@ -322,12 +273,6 @@ def test_debug_config_layers_on_params_yaml():
     assert config.model.spec == "tiny" and config.model.dtype == "float32"
     assert config.model.adapter.kind == "lora"  # from params.yaml
     assert max(config.bootstrap.max_steps, config.reward_model.max_steps, config.ppo.max_steps) <= 2
-
-
-def test_config_reference_in_docs_is_generated_from_the_schema():
-    result = run_cli("config", "docs")
-    assert result.returncode == 0, result.stderr
-    assert (ROOT / "docs" / "CONFIG.md").read_text() == result.stdout, "regenerate: icrl config docs --output docs/CONFIG.md"
 
 
 @pytest.mark.parametrize("order", [("kind", "knob"), ("knob", "kind")])

@@ -4,7 +4,8 @@ The commands and their parameters are enumerated from the typer app, so a new co
 an unknown option for every command and group; for every numeric or choice parameter a value of the wrong type
 and values outside its bounds; for every path parameter a missing path, a directory where a file is expected, a
 file where a folder is expected, and a file that is not UTF-8; for every `--set` an unknown key and an item
-without `=`. The walk runs in-process (`tasks.cli.main`), a few checks run the real console script."""
+without `=`. The walk runs in-process (`tasks.cli.main`); the issue's examples through the real console script:
+tests/integration/test_cli_errors.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import typer.main
 from typer.core import TyperGroup
 
 from tasks.cli import app, main
-from tests.conftest import run_cli
 
 # Path parameters a command reads itself (config layers, the metrics file of `promote`): no parse-time check, the
 # command's reader (icrl_core.io.read_user_text) names the problem.
@@ -145,31 +145,6 @@ def test_every_command_exits_2_with_one_message_on_every_bad_value(tmp_path, mon
 def test_an_unknown_option_exits_2(path, capsys):
     code, err = call([*path, "--no-such-option", "x"], capsys)
     assert code == 2 and "No such option: --no-such-option" in err and "Traceback" not in err, err
-
-
-def test_the_issues_examples(tmp_path, monkeypatch, capsys):
-    """The examples of issue 31: the message on stderr, exit code 2, no traceback; three of them through the real
-    console script (a fresh interpreter, as a user runs it), the others in-process."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "latin1.yaml").write_bytes(NOT_UTF8)
-    in_shell = {
-        ("eval", "--strategy", "bogus"): "'bogus' is not one of",  # an error of typer's own click
-        ("stage", "nosuchstage"): "unknown stage 'nosuchstage'",
-        ("config", "show", "-c", str(tmp_path / "latin1.yaml")): "not UTF-8",
-    }
-    in_process = {
-        ("eval", "--train-k", "-5"): "Invalid value for '--train-k'",
-        ("eval", "--adapter", "x"): "Invalid value for '--adapter'",
-        ("validate-episodes", str(tmp_path)): "is a directory",
-        ("eval", "-c", str(tmp_path / "latin1.yaml")): "not UTF-8",
-    }
-    for argv, message in in_shell.items():
-        result = run_cli(*argv, cwd=tmp_path)
-        assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
-        assert "Traceback" not in result.stderr, result.stderr
-    for argv, message in in_process.items():
-        code, err = call(list(argv), capsys)
-        assert code == 2 and message in err and "Traceback" not in err, (argv, err)
 
 
 def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,6 @@
-"""DPO / IPO (icrl_core/dpo.py, stage tasks/dpo.py) on the tiny model: the margin is 0 where the policy is its
-reference, training on the episodes' pairs raises preference accuracy, a kill resumes exactly, and the stage
-(episode pairs + pairs mined from the policy's streams) writes its outputs; policy_optimization picks the
-pipeline's stages."""
+"""DPO / IPO (icrl_core/dpo.py, stage tasks/dpo.py) on the tiny model: training on the episodes' pairs raises
+preference accuracy, a kill resumes exactly, and the stage (episode pairs + pairs mined from the policy's
+streams) writes its outputs. The loss's parts: tests/unit/test_dpo.py."""
 
 from __future__ import annotations
 
@@ -12,12 +11,12 @@ import math
 import pytest
 import torch
 
-from icrl_core.config import DPOConfig, LoraAdapter
-from icrl_core.dpo import answer_start, preference_margins, train_dpo
-from icrl_core.model import load_policy
-from icrl_core.supervised import Pair, episode_pairs
-from tasks.settings import PipelineConfig, load_config, with_overrides
+from icrl_core.config import DPOConfig
+from icrl_core.dpo import train_dpo
+from icrl_core.supervised import episode_pairs
+from tasks.settings import load_config
 from tests.stage_helpers import keyword_rows, stage_args
+from tests.unit.test_dpo import _policy
 
 
 class Killed(Exception):
@@ -44,23 +43,10 @@ class MemoryRuntime:
         return self.checkpoints[-1] if self.checkpoints else None
 
 
-def _policy():
-    return load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
-
-
 def _cfg(**overrides) -> DPOConfig:
     fields = {"max_steps": 6, "eval_steps": 3, "save_steps": 2, "batch_size": 8, "learning_rate": 1e-2,
               "max_eval_pairs": 8, "beta": 0.5}
     return DPOConfig(**{**fields, **overrides})
-
-
-def test_answers_start_where_the_pair_differs_and_the_margin_starts_at_zero(tokens):
-    assert answer_start(Pair([1, 2, 3, 9], [1, 2, 4, 9])) == 2
-    assert answer_start(Pair([1, 2, 3], [1, 2, 3, 4])) == 2  # never the whole sequence
-    train, _ = keyword_rows(tokens)
-    pairs = episode_pairs(train)[:4]
-    policy = _policy()  # LoRA B = 0: the policy is its reference
-    assert torch.allclose(preference_margins(policy, pairs), torch.zeros(4), atol=1e-5)
 
 
 def test_dpo_raises_preference_accuracy_and_resumes_exactly(tokens):
@@ -107,28 +93,3 @@ def test_dpo_stage_trains_on_episode_and_mined_pairs(in_tmp):
     headline = json.loads((in_tmp / "metrics" / "dpo.json").read_text())
     assert set(headline) == {"val_preference_accuracy", "val_preference_accuracy_before", "val_margin"}
     assert metrics["step"] == 2 and "seconds" in metrics
-
-
-def test_policy_optimization_picks_the_pipelines_stages(tmp_path):
-    import shutil
-
-    import yaml
-
-    from icrl_core.errors import UserError
-    from tasks.stages import pipeline_stages
-    from tests.conftest import ROOT
-
-    ppo = pipeline_stages("ppo", ROOT)
-    # a project that chose dpo: evaluate (and promote) read the dpo adapter, so they follow dpo
-    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["policy_optimization"] = "dpo"
-    params["evaluate"]["adapter"] = "artifacts/dpo/adapter"
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    dpo = pipeline_stages("dpo", tmp_path)
-    assert "dpo" not in ppo and {"reward_model", "ppo", "adapt"} <= set(ppo)
-    assert "dpo" in dpo and not {"reward_model", "ppo", "adapt"} & set(dpo)
-    assert {"bootstrap", "evaluate", "promote"} <= set(dpo)
-    with_overrides(PipelineConfig(), {"policy_optimization": "dpo", "evaluate.adapter": "artifacts/dpo/adapter"})
-    with pytest.raises((UserError, ValueError), match="policy_optimization=dpo skips"):
-        with_overrides(PipelineConfig(), {"policy_optimization": "dpo"})  # still evaluates artifacts/ppo/adapter

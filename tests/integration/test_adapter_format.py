@@ -1,5 +1,6 @@
-"""Adapter folders in PEFT's own format (docs/FORMATS.md): plain PEFT loads what the pipeline writes, the old
-layout still loads and converts, and `icrl model export --merge` writes a model transformers loads."""
+"""Adapter folders in PEFT's own format (docs/FORMATS.md): plain PEFT loads what the pipeline writes (tiny model
+and the real SmolLM2), the old layout still loads and converts, and `icrl model export --merge` writes a model
+transformers loads."""
 
 from __future__ import annotations
 
@@ -10,27 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from icrl_core.adapter_format import BLOCKS, META, PEFT_CONFIG, PEFT_WEIGHTS, VALUE_HEAD
-from icrl_core.config import FrozenAdapter, LastBlocksAdapter, LoraAdapter
+from icrl_core.adapter_format import META, PEFT_CONFIG, PEFT_WEIGHTS, VALUE_HEAD
+from icrl_core.config import LastBlocksAdapter, LoraAdapter
 from icrl_core.io import sha256_folder
 from icrl_core.model import load_base_model, load_policy, resolve_spec, saved_adapter
 from tests.conftest import run_cli
-
-
-def _ids(policy, text="Query: where is my card?"):
-    return torch.tensor([policy.tokenizer.encode(text)])
-
-
-def _perturb(policy, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.trainable_parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-
-
-def _logits(policy, ids):
-    with torch.no_grad():
-        return policy.forward(ids)[0]
+from tests.unit.test_adapter_format import _ids, _logits, _perturb
 
 
 def _peft_logits(base, folder, ids):
@@ -67,20 +53,6 @@ def test_plain_peft_loads_a_pipeline_adapter_with_the_same_logits(request, tmp_p
     with torch.no_grad(), pipeline.reference():
         assert not torch.equal(ours, pipeline.forward(ids)[0])  # the adapter changes the answer
     torch.testing.assert_close(_peft_logits(base, folder, ids), ours, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("adapter", [LastBlocksAdapter(n_blocks=1), FrozenAdapter()], ids=["last_blocks", "frozen"])
-def test_other_kinds_round_trip_in_safetensors_with_a_json(tmp_path, adapter):
-    policy = load_policy("tiny", adapter=adapter, value_head=True)
-    _perturb(policy)
-    policy.save_adapter(tmp_path / "a")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([BLOCKS, META, VALUE_HEAD])
-    assert json.loads((tmp_path / "a" / META).read_text())["adapter"]["kind"] == adapter.kind
-    fresh = load_policy("tiny", adapter=saved_adapter(tmp_path / "a"), value_head=True, init_adapter=tmp_path / "a")
-    ids = _ids(policy)
-    with torch.no_grad():
-        assert torch.equal(policy.forward(ids, with_values=True)[1], fresh.forward(ids, with_values=True)[1])
-    assert torch.equal(_logits(policy, ids), _logits(fresh, ids))
 
 
 def _old_layout(policy, folder):

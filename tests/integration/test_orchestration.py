@@ -136,8 +136,8 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
         with httpx.Client(base_url=services.prefect_api, timeout=30) as client:
             deployment = _api(client, "GET", "/deployments/name/icrl-pipeline/pipeline")
             # What the UI's "Run" button posts. One run in the workspace (a run with overrides is a DVC experiment
-            # that restores the workspace afterwards: tests/test_experiments.py; two runs at once take too long
-            # for the suite).
+            # that restores the workspace afterwards: tests/integration/test_experiments.py; two runs at once take
+            # too long for the suite).
             created = [_api(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
                             json={"parameters": {}})]
             deadline = time.time() + 840

@@ -1,6 +1,6 @@
 """Ray Train runtime: real local Ray (num_cpus=2), DDP over gloo, checkpoints through Ray's API, worker
 failure recovery. Uses a toy linear-regression stage so the mechanics are tested in seconds; the PPO stage
-runs the same way (tests/test_orchestration.py)."""
+runs the same way (tests/integration/test_orchestration.py)."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def test_a_project_adapter_is_served_like_its_peft_copy(engine, lora, task, tmp_
     shared, queries, trie = task
     got = engine.trie_logprobs([TrieRequest(queries[0], trie, adapter=a, shared_length=shared)
                                 for a in (folder, str(project))])
-    # equal tensors (tests/test_inference_backends.py); only float rounding of another batch slot differs
+    # equal tensors (tests/unit/test_inference_backends.py); only float rounding of another batch slot differs
     assert max_difference(got[:1], got[1:]) < 1e-4
 
 

@@ -1,6 +1,6 @@
 """What the vllm backend needs that runs without vllm: the project's LoRA adapters in PEFT's layout (what vLLM's
 LoRARequest loads), and one clear error when the backend is chosen but not installed. The backend itself runs in
-tests/test_vllm_backend.py (with the vllm extra)."""
+tests/integration/test_vllm_backend.py (with the vllm extra)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_project_lora_adapter_converts_to_the_same_peft_adapter(tmp_path):
 
 def test_vllm_chosen_but_not_installed_is_one_clear_error():
     if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here (tests/test_vllm_backend.py runs it)")
+        pytest.skip("vllm is installed here (tests/integration/test_vllm_backend.py runs it)")
     from icrl_core.inference.vllm_backend import VllmEngine
 
     with pytest.raises(UserError, match="make setup-vllm"):

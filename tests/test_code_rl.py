@@ -350,3 +350,29 @@ def test_dpo_mines_code_pairs_on_the_shared_loop():
     metrics, history = train_dpo(policy, [], [], cfg, 0, MemoryRuntime(), max_tokens=2048, code=CODE)
     assert history[0]["code_pairs"] == 0 and history[0]["reward/lint"] >= 0 and "task_accuracy" in history[0]
     assert metrics["val_accuracy_before"] == metrics["val_accuracy_after"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# icrl code-eval
+
+
+def test_code_eval_writes_its_json_and_refuses_bad_values(in_tmp, capsys):
+    from tests.test_cli_errors import call
+
+    argv = ["code-eval", "--model", "tiny", "--samples", "2", "--tasks-per-level", "1", "--max-new-tokens", "16",
+            "--output", "eval.json"]
+    code, err = call(argv, capsys)
+    assert code == 0, err
+    result = json.loads((in_tmp / "eval.json").read_text())
+    assert result["k"] == [1, 2] and result["tasks"] == 3 and result["adapter"] is None
+    assert set(result["levels"]) == {"level_1", "level_2", "level_3"}
+    assert result["overall"]["pass_at_1"] == 0.0 and result["isolation"]
+    row = result["per_task"][0]
+    assert row["n"] == 2 and len(row["completions"]) == 2 and row["completions"][0]["reason"]
+    (in_tmp / "empty").mkdir()
+    for bad, message in [(["--samples", "2", "--k", "4"], "needs at least that many samples"),
+                         (["--temperature", "0", "--samples", "3"], "temperature 0 (greedy)"),
+                         (["--adapter", "empty"], "no saved adapter there"),
+                         (["--samples", "0"], "Invalid value for '--samples'")]:
+        code, err = call(["code-eval", "--model", "tiny", *bad], capsys)
+        assert code == 2 and message in err and "Traceback" not in err, (bad, err)

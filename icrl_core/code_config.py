@@ -4,9 +4,10 @@ depending on the sandbox's and the reward's code."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from icrl_core.schema import Section
 
@@ -79,6 +80,64 @@ class CodeRewardConfig(Section):
                                             "long docstrings).")] = ["E501"]
 
 
+class CodeRolloutConfig(Section):
+    """Code tasks as rollouts of the policy (`ppo.mode: code`, `dpo.mine_code`; icrl_core/code_rl.py): each step
+    draws train-split code tasks and samples a group of completions per task, scored in the sandbox with the
+    `code.reward` components."""
+
+    tasks_per_step: Annotated[int, Field(ge=1, le=256, description="Train-split code tasks drawn per step (one "
+                                         "group each; split over data-parallel workers).")] = 4
+    group_size: Annotated[int, Field(ge=1, le=64, description="Completions sampled per task (G); group "
+                                     "objectives compare them, DPO pairs a passing one with a failing "
+                                     "one.")] = 4
+    max_new_tokens: Annotated[int, Field(ge=16, le=512, description="Tokens generated per completion (the "
+                                         "whole function in a code block).")] = 160
+    eval_tasks: Annotated[int, Field(ge=0, le=1000, description="Held-out test-split tasks answered greedily at "
+                                     "each evaluation (the same ones every time, a seeded sample): val_accuracy "
+                                     "is their pass@1. Measurement only; nothing is selected on it (0: no "
+                                     "evaluation).")] = 12
+
+
+class CodeEvalConfig(Section):
+    """`icrl code-eval`: pass@1 and pass@k (Chen et al., 2021) on code tasks, per difficulty level."""
+
+    split: Annotated[Literal["train", "test"], Field(description="Tasks evaluated: test = the held-out "
+                                                     "templates (never trained on), train = the training "
+                                                     "templates.")] = "test"
+    tasks_per_level: Annotated[int | None, Field(ge=1, le=1000, description="Tasks per difficulty level, a "
+                                                 "seeded sample (empty = every task of the split).")] = None
+    samples: Annotated[int, Field(ge=1, le=200, description="Completions sampled per task (n of the pass@k "
+                                  "estimator).")] = 8
+    k: Annotated[list[Annotated[int, Field(ge=1, le=200)]] | None, Field(
+        min_length=1, description="The k of pass@k reported, each at most `samples` (empty: 1, 2, 4, ... up to "
+        "samples, and samples).")] = None
+    temperature: Annotated[float, Field(ge=0, le=10, description="Sampling temperature (0 = greedy, one "
+                                        "sample per task).")] = 0.8
+    max_new_tokens: Annotated[int, Field(ge=16, le=512, description="Tokens generated per completion.")] = 160
+    batch_size: Annotated[int, Field(ge=1, le=256, description="Completions generated together (one KV "
+                                     "cache).")] = 16
+    output: Annotated[Path, Field(description="JSON file the results are written to (atomically).")] = Path(
+        "artifacts/code_eval/code_eval.json")
+
+    @property
+    def ks(self) -> list[int]:
+        """The k of pass@k: `k`, or the powers of 2 up to `samples` and `samples`."""
+        if self.k is not None:
+            return sorted(set(self.k))
+        return sorted({2 ** i for i in range(8) if 2 ** i <= self.samples} | {self.samples})
+
+    @model_validator(mode="after")
+    def _k_fits_samples(self) -> CodeEvalConfig:
+        too_big = [k for k in self.k or [] if k > self.samples]
+        if too_big:
+            raise ValueError(f"k={too_big} needs at least that many samples per task (samples={self.samples}): "
+                             "pass@k is estimated from n >= k samples")
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError(f"temperature 0 (greedy) gives one completion per task: samples={self.samples} "
+                             "would repeat it; set samples 1 or a temperature > 0")
+        return self
+
+
 class CodeConfig(Section):
     """Code tasks: the sandbox that runs model-written programs and the reward that scores them."""
 
@@ -87,3 +146,5 @@ class CodeConfig(Section):
     task_seed: Annotated[int, Field(ge=0, description="Seed of the code-task family (icrl_core/code_tasks.py); "
                                     "the same seed gives the same tasks.")] = 0
     variants: Annotated[int, Field(ge=1, le=100, description="Tasks per template (distinct parameters).")] = 11
+    eval: CodeEvalConfig = Field(default_factory=CodeEvalConfig, description="`icrl code-eval`: "
+                                 "pass@1 and pass@k on held-out code tasks.")

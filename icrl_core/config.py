@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
 
-from icrl_core.code_config import CodeConfig  # noqa: F401  (hung on the pipeline config as `code`)
+from icrl_core.code_config import CodeConfig, CodeRolloutConfig  # noqa: F401  (CodeConfig: the pipeline's `code`)
 from icrl_core.objectives import ContextDistillation, Objective, PPOObjective
 from icrl_core.schema import Section
 
@@ -397,15 +397,21 @@ class PPOConfig(OptimFields):
     max_new_tokens: Annotated[int, Field(ge=1, le=512, description="Tokens generated per query.")] = 8
     temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the policy in rollouts "
                                         "(the trained policy is softmax(logits / temperature)).")] = 1.0
-    mode: Annotated[Literal["token", "stream"], Field(description="token: rollouts answer the built episodes' "
-                                                      "queries with free generation. stream: each rollout is an "
-                                                      "in-context RL stream (ppo.stream, icrl_core/streams.py), "
-                                                      "answers decoded over the label trie as the harness "
-                                                      "does.")] = "token"
+    mode: Annotated[Literal["token", "stream", "code"], Field(description="token: rollouts answer the built "
+                                                              "episodes' queries with free generation. stream: "
+                                                              "each rollout is an in-context RL stream "
+                                                              "(ppo.stream, icrl_core/streams.py), answers decoded "
+                                                              "over the label trie as the harness does. code: "
+                                                              "each rollout is a completion of a code task, "
+                                                              "rewarded by its tests in the sandbox (ppo.code, "
+                                                              "the code section, icrl_core/code_rl.py; "
+                                                              "docs/CODE_RL.md).")] = "token"
     stream: StreamConfig = Field(default_factory=StreamConfig, description="Stream rollouts (mode stream).")
+    code: CodeRolloutConfig = Field(default_factory=CodeRolloutConfig, description="Code-task rollouts (mode "
+                                    "code; max_new_tokens here replaces ppo.max_new_tokens).")
     objective: Objective = Field(default_factory=PPOObjective, description="The policy-optimization objective "
                                  "(icrl_core/objectives.py): ppo, grpo, rloo, dr_grpo, gspo, opo, aipo. Group "
-                                 "objectives need mode stream.")
+                                 "objectives need mode stream or code.")
     distill: ContextDistillation = Field(default_factory=ContextDistillation, description="Context distillation "
                                          "from the in-context-learning teacher (mode stream): the reward of each "
                                          "step with the teacher's and the student's log-probabilities of the "
@@ -416,23 +422,30 @@ class PPOConfig(OptimFields):
 
     @model_validator(mode="after")
     def _objective_fits_mode(self) -> PPOConfig:
-        if self.objective.kind != "ppo" and self.mode != "stream":
+        if self.objective.kind != "ppo" and self.mode == "token":
             raise ValueError(f"objective.kind={self.objective.kind} compares the streams of a group: set "
-                             "ppo.mode=stream")
+                             "ppo.mode=stream (or ppo.mode=code for code tasks)")
         if self.mode == "stream" and self.reward.kind != "task":
             raise ValueError(f"reward.kind={self.reward.kind}: stream rollouts are rewarded by the task (the "
                              "feedback in context is the task reward); use reward.kind=task")
         if self.distill.active and self.mode != "stream":
             raise ValueError("ppo.distill needs ppo.mode=stream (the teacher reads a stream's gold labels)")
-        if self.objective.kind != "ppo" and self.stream.group_size < 2:
-            raise ValueError(f"objective.kind={self.objective.kind} needs ppo.stream.group_size >= 2")
+        if self.mode == "code" and self.reward.kind != "task":
+            raise ValueError(f"reward.kind={self.reward.kind}: code rollouts are rewarded by the code.reward "
+                             "components; weigh a reward model in with code.reward.weights.reward_model (and "
+                             "ppo.reward_model_path), and keep reward.kind=task")
+        group = {"stream": ("ppo.stream.group_size", self.stream.group_size),
+                 "code": ("ppo.code.group_size", self.code.group_size)}.get(self.mode)
+        if self.objective.kind != "ppo" and group and group[1] < 2:
+            raise ValueError(f"objective.kind={self.objective.kind} needs {group[0]} >= 2")
         return self
 
 
 class DPOConfig(OptimFields):
     """Direct preference optimization (the `dpo` stage, icrl_core/dpo.py; docs/DPO.md): DPO or IPO on (right,
-    wrong) answer pairs in one context, from the tokenized episodes (the reward model's pairs) and, with
-    mine_streams, mined from the policy's own in-context RL streams; the reference is the policy with its
+    wrong) answer pairs in one context, from the tokenized episodes (the reward model's pairs), with
+    mine_streams mined from the policy's own in-context RL streams, and with mine_code (passing, failing)
+    completions of code tasks sampled from the policy (docs/CODE_RL.md); the reference is the policy with its
     adapters disabled. An alternative to reward_model + ppo: evaluate it with evaluate.adapter:
     artifacts/dpo/adapter."""
 
@@ -453,6 +466,15 @@ class DPOConfig(OptimFields):
                                         "answer) in that context.")] = False
     stream: StreamConfig = Field(default_factory=lambda: StreamConfig(eval_groups=0),
                                  description="The mined streams (eval_groups is not used).")
+    mine_code: Annotated[bool, Field(description="Also mine pairs at each step from code tasks (code section, "
+                                     "icrl_core/code_rl.py): `code.tasks_per_step` train-split tasks, "
+                                     "`code.group_size` completions of each sampled from the current policy at "
+                                     "dpo.temperature and run against the task's tests in the sandbox; every "
+                                     "(passing, failing) combination of one task's completions is a pair "
+                                     "(chosen passes every test, rejected does not).")] = False
+    code: CodeRolloutConfig = Field(default_factory=CodeRolloutConfig, description="The code tasks of "
+                                    "mine_code (eval_tasks: greedy pass@1 on held-out tasks at each "
+                                    "evaluation).")
     temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the mined streams.")] = 1.0
     max_eval_pairs: Annotated[int | None, Field(ge=1, description="Validation (preferred, rejected) pairs of the "
                                                 "val split used at each evaluation (the first N; empty = all).")] = 128

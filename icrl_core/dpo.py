@@ -7,7 +7,10 @@ Pairs (`Pair`: prompt + chosen answer, prompt + rejected answer, as token ids):
   `supervised.episode_pairs`), `batch_size * grad_accum` per step in a seeded order;
 - with `dpo.mine_streams`, pairs mined from in-context RL streams the current policy rolls out at each step
   (`streams.mine_preference_pairs`: every step answered wrong gives (gold label, its answer) in that context),
-  seeded by (seed, step) so a resumed run mines the same ones.
+  seeded by (seed, step) so a resumed run mines the same ones;
+- with `dpo.mine_code`, (passing, failing) pairs of code-task completions the current policy samples at each
+  step (`code_rl.mine_code_pairs`: `dpo.code.group_size` completions per task run against its tests in the
+  sandbox; every combination of one that passes every test and one that does not), seeded by (seed, step).
 
 Per pair, with log pi(y) the summed log-probs of the answer tokens after the two sequences' common prefix:
 
@@ -123,22 +126,33 @@ def mined_pairs(policy, sources, data, cfg, seed: int, step: int, max_tokens: in
 
 
 def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cfg, seed: int, runtime,
-              stream_sources=None, max_tokens: int = 2048) -> tuple[dict, list[dict]]:
+              stream_sources=None, max_tokens: int = 2048, code=None) -> tuple[dict, list[dict]]:
     """DPO/IPO (config `dpo`) on the shared loop: AdamW on the policy's trainable weights, each step the
     (mean) loss over `batch_size * grad_accum` episode pairs (when `cfg.episode_pairs`) plus the pairs mined from
-    this step's streams (when `cfg.mine_streams`; `stream_sources` = (resolved data.sources, data config)),
-    gradient clipping, the warm-up schedule; evaluation on `val_pairs` every eval_steps, checkpoints every
-    save_steps and after the last step. Returns (last step's metrics, every step's metrics)."""
+    this step's streams (when `cfg.mine_streams`; `stream_sources` = (resolved data.sources, data config)) and
+    from this step's code-task completions (when `cfg.mine_code`; `code` = the pipeline's `code` section),
+    gradient clipping, the warm-up schedule; evaluation on `val_pairs` (and greedy pass@1 on `cfg.code.eval_tasks`
+    held-out code tasks) every eval_steps, checkpoints every save_steps and after the last step. Returns (last
+    step's metrics, every step's metrics)."""
     params = policy.trainable_parameters()
     if not params:
         raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")
-    if not cfg.episode_pairs and not cfg.mine_streams:
-        raise UserError("dpo has no pairs: set dpo.episode_pairs or dpo.mine_streams")
+    if not cfg.episode_pairs and not cfg.mine_streams and not cfg.mine_code:
+        raise UserError("dpo has no pairs: set dpo.episode_pairs, dpo.mine_streams or dpo.mine_code")
     if cfg.episode_pairs and not train_pairs:
         raise UserError("dpo.episode_pairs: the tokenized train split has no (preferred, rejected) pairs")
     if cfg.mine_streams and cfg.stream.groups % distributed.world_size():
         raise UserError(f"dpo.stream.groups={cfg.stream.groups} must be a multiple of the number of "
                         f"data-parallel workers ({distributed.world_size()})")
+    if cfg.mine_code and cfg.code.tasks_per_step % distributed.world_size():
+        raise UserError(f"dpo.code.tasks_per_step={cfg.code.tasks_per_step} must be a multiple of the number of "
+                        f"data-parallel workers ({distributed.world_size()})")
+    task_set = eval_tasks = None
+    if cfg.mine_code:
+        from icrl_core import code_rl
+
+        task_set = code_rl.CodeTaskSet.from_config(code)
+        eval_tasks = code_rl.eval_sample(task_set.test, cfg.code.eval_tasks, seed)
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule)
     val_pairs = list(val_pairs)[: cfg.max_eval_pairs]
@@ -156,6 +170,11 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
             sources, data = stream_sources
             mined = mined_pairs(policy, sources, data, cfg, seed, number, max_tokens)
             pairs = pairs + mined
+        code_pairs, code_stats = [], {}
+        if cfg.mine_code:
+            code_pairs, code_stats = code_rl.mine_code_pairs(policy, task_set, cfg.code, code, cfg.temperature, seed,
+                                                             number, max_tokens, cfg.batch_size)
+            pairs = pairs + code_pairs
         policy.train()
         optimizer.zero_grad(set_to_none=True)
         # every rank's pairs count: the mean is over the step's pairs of all ranks
@@ -170,17 +189,27 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
         metrics["pairs"] = float(n_pairs)
         if cfg.mine_streams:
             metrics["mined_pairs"] = _combine({"mined": float(len(mined))})["mined"]
+        if cfg.mine_code:  # the sampled completions' pass rate and reward components (reward/<name>)
+            metrics.update(distributed.mean_metrics(code_stats))
+            metrics["code_pairs"] = _combine({"code": float(len(code_pairs))})["code"]
         return metrics
 
     def evaluate() -> dict[str, float]:
-        return evaluate_preferences(policy, val_pairs, cfg)
+        metrics = evaluate_preferences(policy, val_pairs, cfg) if val_pairs else {}
+        if eval_tasks:
+            metrics.update(code_rl.evaluate_greedy(policy, eval_tasks, task_set.shot, code, cfg.code.max_new_tokens,
+                                                   max_tokens, cfg.batch_size))
+        return metrics
 
     trainer = Trainer(step, optimizer, scheduler, params, policy.trainable_state_dict,
                       lambda tensors: policy.load_trainable_state_dict(tensors, "checkpoint"),
-                      evaluate if val_pairs else None)
+                      evaluate if val_pairs or eval_tasks else None)
     schedule = Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps, evaluate_first=True)
     result = run_loop(trainer, schedule, runtime)
     metrics = dict(result.last)
-    if result.evals:  # the starting weights' accuracy (step 0), to compare with the final one
+    if result.evals and "val_preference_accuracy" in result.evals[0]:  # the starting weights' (step 0)
         metrics["val_preference_accuracy_before"] = result.evals[0]["val_preference_accuracy"]
+    if result.evals and "val_accuracy" in result.evals[0]:  # code tasks: greedy pass@1 before and after
+        metrics["val_accuracy_before"] = result.evals[0]["val_accuracy"]
+        metrics["val_accuracy_after"] = result.evals[-1]["val_accuracy"]
     return metrics, result.history

@@ -1,8 +1,9 @@
-"""The `ppo` stage's training: PPO on the built episodes (icrl_core/ppo.py) or, with `ppo.mode: stream`, the
-configured objective on in-context RL streams (icrl_core/stream_rl.py), both on the shared training loop
+"""The `ppo` stage's training: PPO on the built episodes (icrl_core/ppo.py), with `ppo.mode: stream` the
+configured objective on in-context RL streams (icrl_core/stream_rl.py), with `ppo.mode: code` on groups of
+completions of code tasks rewarded in the sandbox (icrl_core/code_rl.py), all on the shared training loop
 (icrl_core/training_loop.py).
 
-One iteration rolls out (episodes or streams), updates the policy, then moves the KL coefficient
+One iteration rolls out (episodes, streams or code completions), updates the policy, then moves the KL coefficient
 (`ppo.kl_control`). The validation set is answered once before the first iteration (step 0), every
 `ppo.eval_steps` and after the last iteration; a checkpoint (weights, value head, optimizer, schedule, RNG, the KL
 coefficient, history and evaluations) is written every `ppo.save_steps` iterations and after the last.
@@ -30,15 +31,18 @@ from icrl_core.training_loop import Schedule, Trainer, run_loop
 
 
 def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, runtime, max_tokens: int,
-              scorer=None, stream_sources=None) -> tuple[dict[str, float], list[dict], list[dict]]:
+              scorer=None, stream_sources=None, code=None) -> tuple[dict[str, float], list[dict], list[dict]]:
     """PPO iterations 1..max_steps (resuming after the last checkpoint). Returns (summary, history, evals).
 
     Data-parallel: each rank rolls out its shard of the iteration's episodes; gradients are averaged.
     `ppo.mode=stream` rolls out in-context RL streams instead (icrl_core/stream_rl.py); `stream_sources` is then
-    (resolved data.sources, the data config) and the episodes are not used."""
-    streams = cfg.mode == "stream"
-    per_step, what = ((cfg.stream.groups, "ppo.stream.groups") if streams
-                      else (cfg.rollout_episodes, "ppo.rollout_episodes"))
+    (resolved data.sources, the data config) and the episodes are not used. `ppo.mode=code` rolls out code
+    tasks (icrl_core/code_rl.py); `code` is then the pipeline's `code` section (tasks, sandbox, reward) and
+    `scorer` the reward model of the reward_model component."""
+    streams, code_mode = cfg.mode == "stream", cfg.mode == "code"
+    per_step, what = {"stream": (cfg.stream.groups, "ppo.stream.groups"),
+                      "code": (cfg.code.tasks_per_step, "ppo.code.tasks_per_step")}.get(
+        cfg.mode, (cfg.rollout_episodes, "ppo.rollout_episodes"))
     if per_step % world_size():
         # every worker must run the same number of minibatches: gradient averaging is a collective
         raise UserError(f"{what}={per_step} must be a multiple of the number of data-parallel workers "
@@ -59,6 +63,22 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
             return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens)
 
         has_val = cfg.stream.eval_groups > 0
+    elif code_mode:
+        from icrl_core import code_rl
+
+        task_set = code_rl.CodeTaskSet.from_config(code)
+        eval_tasks = code_rl.eval_sample(task_set.test, cfg.code.eval_tasks, seed)
+        n_rollouts = cfg.code.tasks_per_step * cfg.code.group_size
+
+        def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
+            return code_rl.code_step(policy, optimizer, scheduler, task_set, code, cfg, beta, seed, step, generator,
+                                     max_tokens, scorer)
+
+        def run_eval() -> dict[str, float]:
+            return code_rl.evaluate_greedy(policy, eval_tasks, task_set.shot, code, cfg.code.max_new_tokens,
+                                           max_tokens, cfg.batch_size)
+
+        has_val = bool(eval_tasks)
     else:
         n_rollouts = cfg.rollout_episodes
         val = list(val_episodes)[:cfg.eval_episodes]

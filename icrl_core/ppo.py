@@ -520,8 +520,8 @@ def ppo_step(policy, optimizer, scheduler, episodes, cfg: PPOConfig, beta: float
 
 
 def summarize(history: list[dict], evals: list[dict]) -> dict[str, float]:
-    """Final metrics: mean reward over the first and the last 20% of iterations, the last iteration's
-    diagnostics, validation accuracy before and after training."""
+    """Final metrics: mean reward (and, in code mode, each reward component) over the first and the last 20% of
+    iterations, the last iteration's diagnostics, validation accuracy before and after training."""
     summary: dict[str, float] = {}
     if history:
         n = len(history)
@@ -538,6 +538,9 @@ def summarize(history: list[dict], evals: list[dict]) -> dict[str, float]:
                     "policy_loss", "explained_variance", "beta"):
             if key in history[-1]:
                 summary[f"final_{key}"] = history[-1][key]
+        for key in sorted(k for k in history[-1] if k.startswith("reward/")):  # code mode's reward components
+            summary[f"{key}_first_20pct"] = sum(h[key] for h in history[:fifth]) / fifth
+            summary[f"{key}_last_20pct"] = sum(h[key] for h in history[-fifth:]) / fifth
     if evals:
         summary["val_accuracy_before"] = evals[0]["val_accuracy"]
         summary["val_accuracy_after"] = evals[-1]["val_accuracy"]

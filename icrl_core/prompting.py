@@ -47,6 +47,9 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "nlu": PromptTemplate(query_prefix="Utterance:", answer_prefix="Intent:"),
 }
 GENERIC = PromptTemplate()
+# Code tasks (icrl_core/code_rl.py): the query asks for a whole Python function; no answer prefix.
+CODE_SYSTEM = "You are a careful Python programmer. Write correct, simple Python functions."
+TEMPLATES["code_tasks"] = PromptTemplate(system_icrl=CODE_SYSTEM, system_icl=CODE_SYSTEM)
 
 
 def register_template(task_type: str, template: PromptTemplate) -> None:

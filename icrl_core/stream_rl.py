@@ -177,11 +177,16 @@ def objective_loss(cfg: PPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, b
 
 
 def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, prepared: StreamPrepared,
-                  cfg: PPOConfig, beta: float, generator: torch.Generator, scheduler=None) -> dict[str, float]:
+                  cfg: PPOConfig, beta: float, generator: torch.Generator, scheduler=None,
+                  outputs=stream_outputs) -> dict[str, float]:
     """`cfg.epochs` passes over the streams in shuffled minibatches of `cfg.minibatch_size`
     (`ppo.minibatch_epochs`), each minibatch one forward pass:
 
-        loss = objective (+ kl_beta * mean k3 KL for group kinds) - entropy_beta * entropy (+ vf_coef * L_V)"""
+        loss = objective (+ kl_beta * mean k3 KL for group kinds) - entropy_beta * entropy (+ vf_coef * L_V)
+
+    `outputs(policy, part, temperature, with_values)` -> (logp, entropy, values) of a minibatch's actions:
+    stream_outputs for streams; code mode (icrl_core/code_rl.py) passes ppo.policy_outputs for its token
+    batches (ppo.PPOBatch has the same select / action_mask / behaviour_logp)."""
     critic = uses_critic(cfg)
     kl_in_loss = cfg.objective.kind != "ppo" and beta > 0
     reference = needs_reference(cfg, beta)
@@ -192,7 +197,7 @@ def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, 
         n_actions = part.action_mask.shape[1]
         old_logp = prepared.old_logp[index, :n_actions]
         mask = part.action_mask
-        logp, entropy, values = stream_outputs(policy, part, cfg.temperature, with_values=critic)
+        logp, entropy, values = outputs(policy, part, cfg.temperature, with_values=critic)
         policy_loss = objective_loss(cfg, logp, old_logp, part.behaviour_logp, prepared.advantages[index, :n_actions],
                                      mask, normalizer=float(len(index) * full_actions))
         entropy_mean = masked_mean(entropy, mask)

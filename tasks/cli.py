@@ -8,6 +8,7 @@ defaults (tasks/settings.py). User errors exit with code 2.
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,6 +34,8 @@ app.add_typer(model_app, name="model")
 
 from tasks.cli_common import (INPUT_FILE, INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt,  # noqa: E402
                               console, resolve_config)
+
+CodeSplit = Enum("CodeSplit", {s: s for s in ("test", "train")}, type=str)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,6 +128,74 @@ def _code_task_table(seed: int, variants: int):
         first = group[0]
         table.add_row(name, first.family, str(first.level), first.split, str(len(group)), escape(first.signature))
     return table
+
+
+@app.command("code-eval")
+def code_eval(
+    adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to evaluate, e.g. "
+                                                    "artifacts/ppo/adapter. Default: the base model (model.spec; "
+                                                    "model.init_adapter is not applied).", show_default=False,
+                                                    **INPUT_FOLDER)] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, a "
+                                                 "folder or a HF id.", show_default=False)] = None,
+    split: Annotated[Optional[CodeSplit], typer.Option(help="Tasks to evaluate (code.eval.split): test = the "
+                                                       "held-out templates, train = the training ones.",
+                                                       show_default=False)] = None,
+    samples: Annotated[Optional[int], typer.Option(help="Completions per task, the n of pass@k "
+                                                   "(code.eval.samples).", min=1, max=200,
+                                                   show_default=False)] = None,
+    k: Annotated[Optional[list[int]], typer.Option("--k", help="A k of pass@k, repeatable, each at most --samples "
+                                                   "(code.eval.k).", min=1, max=200, show_default=False)] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature, 0 = greedy with one sample "
+                                                         "(code.eval.temperature).", min=0, max=10,
+                                                         show_default=False)] = None,
+    tasks_per_level: Annotated[Optional[int], typer.Option(help="Tasks per difficulty level, a seeded sample "
+                                                           "(code.eval.tasks_per_level; default all).", min=1,
+                                                           max=1000, show_default=False)] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per completion "
+                                                          "(code.eval.max_new_tokens).", min=16, max=512,
+                                                          show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Completions generated together "
+                                                      "(code.eval.batch_size).", min=1, max=256,
+                                                      show_default=False)] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the task sample and the sampling (seed).",
+                                                show_default=False)] = None,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (0 = torch's default).", min=0, max=256)] = 0,
+    output: Annotated[Optional[Path], typer.Option(help="JSON file to write (code.eval.output).",
+                                                   show_default=False, **OUTPUT_FILE)] = None,
+    params: ParamsOpt = None,
+    overrides: SetOpt = None,
+) -> None:
+    """pass@1 and pass@k (the unbiased estimator of Chen et al., 2021: 1 - C(n-c, k) / C(n, k) from n samples
+    of which c pass every test) on held-out code tasks, per difficulty level and overall, for the base model or
+    an adapter; each completion runs against its task's hidden tests in the sandbox. Writes JSON
+    (docs/CODE_RL.md)."""
+    from rich.table import Table
+
+    from tasks.code_eval import run_code_eval
+
+    if temperature == 0 and samples is None:
+        samples = 1  # greedy: one completion per task
+    flags = {"split": split.value if split is not None else None, "samples": samples, "k": k,
+             "temperature": temperature, "tasks_per_level": tasks_per_level, "max_new_tokens": max_new_tokens,
+             "batch_size": batch_size, "output": None if output is None else str(output)}
+    extra: dict = {"code": {"eval": {key: value for key, value in flags.items() if value is not None}}}
+    if model is not None:
+        extra["model"] = {"spec": model}
+    if seed is not None:
+        extra["seed"] = seed
+    config = resolve_config(params, overrides, extra=extra)
+    out = console()
+    result = run_code_eval(config, adapter, threads, echo=out.print)
+    ks = result["k"]
+    table = Table("level", "tasks", *(f"pass@{k}" for k in ks), "test pass fraction", "reward",
+                  title=f"{result['model']} + {result['adapter'] or 'no adapter'} on the {result['split']} split "
+                  f"({result['samples']} sample(s) per task, {result['decoding']})")
+    for name, row in [*result["levels"].items(), ("overall", result["overall"])]:
+        table.add_row(name, str(row["tasks"]), *(f"{row[f'pass_at_{k}']:.3f}" for k in ks),
+                      f"{row['mean_pass_fraction']:.3f}", f"{row['mean_reward']:.3f}")
+    out.print(table)
+    out.print(f"wrote {config.code.eval.output} ({result['seconds']} s, sandbox isolation {result['isolation']})")
 
 
 @config_app.command("show")

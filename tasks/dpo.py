@@ -1,5 +1,6 @@
-"""Stage `dpo`: DPO or IPO (icrl_core/dpo.py) on the (preferred, rejected) answer pairs of the tokenized episodes
-and, with dpo.mine_streams, on pairs mined from the policy's own in-context RL streams; the reference is the
+"""Stage `dpo`: DPO or IPO (icrl_core/dpo.py) on the (preferred, rejected) answer pairs of the tokenized episodes,
+with dpo.mine_streams on pairs mined from the policy's own in-context RL streams, and with dpo.mine_code on
+(passing, failing) completions of code tasks the policy samples (icrl_core/code_rl.py); the reference is the
 policy with its adapters disabled. It starts from dpo.init_adapter (default model.init_adapter; params.yaml: the
 bootstrap adapter) and replaces reward_model + ppo: evaluate and promote it with
 `evaluate.adapter: artifacts/dpo/adapter` (DVC then runs bootstrap -> dpo -> evaluate, docs/DPO.md).
@@ -16,7 +17,8 @@ from pathlib import Path
 from tasks.settings import PipelineConfig
 
 STAGE = "dpo"
-HEADLINE = ("val_preference_accuracy", "val_preference_accuracy_before", "val_margin")
+HEADLINE = ("val_preference_accuracy", "val_preference_accuracy_before", "val_margin", "val_accuracy_before",
+            "val_accuracy")  # val_accuracy: greedy pass@1 on held-out code tasks (dpo.mine_code)
 
 
 def start_adapter(config: PipelineConfig) -> Path | None:
@@ -50,15 +52,17 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     policy = policy_from_config(config.model, seed=config.seed, init_adapter=start_adapter(config))
     with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "margin", "val_preference_accuracy")) as progress:
         metrics, history = train_dpo(policy, train, val, cfg, config.seed, progress, sources,
-                                     min(config.data.episode_tokens, policy.context_window))
+                                     min(config.data.episode_tokens, policy.context_window), config.code)
     if runtime.rank == 0:
         out = Path(cfg.output_dir)
         policy.save_adapter(out / "adapter")
-        write_history(out, history, {
-            f"{cfg.loss.upper()} loss": ["loss", "val_loss"],
-            "implicit reward margin (beta h)": ["margin", "val_margin"],
-            "preference accuracy (h > 0)": ["accuracy", "val_preference_accuracy"]},
-            f"{cfg.loss} ({config.model.spec}, beta {cfg.beta})")
+        panels = {f"{cfg.loss.upper()} loss": ["loss", "val_loss"],
+                  "implicit reward margin (beta h)": ["margin", "val_margin"],
+                  "preference accuracy (h > 0)": ["accuracy", "val_preference_accuracy"]}
+        if cfg.mine_code:
+            panels["code tasks (sampled; val: greedy, held out)"] = ["task_accuracy", "reward/pass_fraction",
+                                                                     "mean_reward", "val_accuracy"]
+        write_history(out, history, panels, f"{cfg.loss} ({config.model.spec}, beta {cfg.beta})")
     return finite(metrics)
 
 

@@ -1,6 +1,8 @@
-"""Stage `ppo`: PPO in ICRL mode (icrl_core/ppo.py, icrl_core/rollout.py) on the built episodes, or, with
-ppo.mode=stream, on in-context RL streams of tasks drawn from data.sources (icrl_core/stream_rl.py) with the
-objective ppo.objective.
+"""Stage `ppo`: PPO in ICRL mode (icrl_core/ppo.py, icrl_core/rollout.py) on the built episodes, with
+ppo.mode=stream on in-context RL streams of tasks drawn from data.sources (icrl_core/stream_rl.py), or with
+ppo.mode=code on code tasks rewarded in the sandbox (icrl_core/code_rl.py, docs/CODE_RL.md), with the objective
+ppo.objective. In code mode history.json carries every reward component per iteration (`reward/<name>`) and
+code_rewards.png plots them.
 
 Inputs: data.output_dir/train.jsonl (and val.jsonl for greedy validation), the start adapter ppo.init_adapter
 (default model.init_adapter),
@@ -44,6 +46,19 @@ def load_scorer(config: PipelineConfig, reward, path: Path | None):
     return load_reward_model(path, config.model)
 
 
+def code_scorer(config: PipelineConfig):
+    """Code mode: the reward model (ppo.reward_model_path) when the reward_model component of
+    code.reward.weights has a weight (the reward-model mode, docs/CODE_RL.md), else None."""
+    if config.code.reward.weights.reward_model == 0:
+        return None
+    if config.ppo.reward_model_path is None:
+        raise UserError("code.reward.weights.reward_model > 0 needs a reward model: set ppo.reward_model_path "
+                        "(e.g. artifacts/reward_model/reward_model)")
+    from icrl_core.reward_model import load_reward_model
+
+    return load_reward_model(config.ppo.reward_model_path, config.model)
+
+
 def max_episode_tokens(config: PipelineConfig, policy) -> int:
     return min(config.data.episode_tokens, policy.context_window)
 
@@ -62,6 +77,8 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 
         train, val = [], []
         stream_sources = (resolve_sources(config.data, config.seed), config.data)
+    elif cfg.mode == "code":  # code tasks are generated (icrl_core/code_tasks.py), not read
+        train, val = [], []
     else:
         train = read_split(config, "train", required=True)
         val = read_split(config, "val", required=False)
@@ -73,10 +90,11 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         raise UserError("PPO needs trainable weights: set model.adapter.kind to lora or last_blocks")
     if cfg.value_head and not (init is not None and (Path(init) / VALUE_HEAD).exists()):
         zero_value_head(policy)  # a fresh critic (one trained by an earlier PPO run is kept)
-    scorer = load_scorer(config, cfg.reward, cfg.reward_model_path)
+    scorer = code_scorer(config) if cfg.mode == "code" else load_scorer(config, cfg.reward, cfg.reward_model_path)
     with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy")) as progress:
         summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress,
-                                            max_episode_tokens(config, policy), scorer, stream_sources)
+                                            max_episode_tokens(config, policy), scorer, stream_sources,
+                                            config.code)
     if runtime.rank == 0:
         write_outputs(Path(cfg.output_dir), policy, history, evals)
     return {**summary, "world_size": runtime.world_size}
@@ -93,6 +111,36 @@ def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> 
     atomic_write_json(out / "history.json", plot_records(history))
     atomic_write_json(out / "evals.json", plot_records(evals))
     plot_reward_curve(history, evals, out / "reward_curve.png")
+    if history and any(key.startswith("reward/") for key in history[-1]):
+        plot_code_rewards(history, out / "code_rewards.png")
+
+
+def plot_code_rewards(history: list[dict], path: Path) -> None:
+    """Code mode: the mean of every reward component per iteration (the length penalty is subtracted) and the
+    pass rate."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from icrl_core.io import atomic_write_bytes
+
+    steps = [h["step"] for h in history]
+    keys = sorted(k for k in history[-1] if k.startswith("reward/") and k != "reward/tests_passed")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        ax.plot(steps, [h.get(key) for h in history], "-", label=key.removeprefix("reward/"))
+    ax.plot(steps, [h["task_accuracy"] for h in history], "k--", label="pass rate (all tests)")
+    ax.set_xlabel("PPO iteration")
+    ax.set_ylabel("mean over completions")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def plot_reward_curve(history: list[dict], evals: list[dict], path: Path) -> None:
@@ -138,5 +186,7 @@ def run(config: PipelineConfig) -> dict:
     # metrics.json is logged too: it is written before the artifacts are logged.
     artifacts = {"adapter": "adapter", "history.json": None, "evals.json": None, "reward_curve.png": None,
                  "metrics.json": None}
+    if config.ppo.mode == "code":
+        artifacts["code_rewards.png"] = None
     return run_training_stage(config, STAGE, train_worker, config.ppo.output_dir, artifacts, HEADLINE,
                               log_summary=True)

@@ -102,7 +102,8 @@ class RolloutPool:
         model = config.model.model_dump(mode="json")
         self.actors = [worker.remote(model, adapter.model_dump(mode="json"), config.seed, threads)
                        for _ in range(options.actors)]
-        ray.get([actor.ready.remote() for actor in self.actors])  # model loaded: failures surface here
+        # model loaded (failures surface here); where each actor's code came from (a cluster: the runtime_env)
+        self.code = ray.get([actor.ready.remote() for actor in self.actors])
         self.pending: dict[int, list[tuple[list[int], object]]] = {}
         self.files: list[tuple[Path, list]] = []  # weight files and the set_weights calls that read them
         self.weights_dir = Path(options.weights_dir).resolve() if options.weights_dir is not None else None

@@ -22,11 +22,12 @@ export DVC_NO_ANALYTICS := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup setup-vllm demo test bench experiment screenshots clean constraints help
+.PHONY: setup setup-vllm demo test test-fast bench experiment screenshots clean constraints help
 
 help:
 	@echo "make demo   - set up .venv and run the main job (embedded SmolLM2, synthetic task)"
-	@echo "make test   - set up .venv and run the test suite"
+	@echo "make test   - set up .venv and run the test suite (tests/unit and tests/integration)"
+	@echo "make test-fast - the unit tier only (tests/unit, under 2 minutes)"
 	@echo "make bench  - run the speed/memory benchmarks (writes bench/results/*.json)"
 	@echo "make experiment - issue 6: train the in-context RL skill, evaluate on held-out trec_coarse"
 	@echo "make setup-vllm - add the vllm extra (inference.backend=vllm, docs/INFERENCE.md) to .venv"
@@ -55,6 +56,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The fast tier: tests/unit (pure code and the tiny model; no servers, Ray, console scripts, real model or sandbox).
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
 
 bench: setup
 	$(PY) bench/icrl_eval_speed.py

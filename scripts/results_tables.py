@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.md", ROOT / "docs" / "BENCHMARKS.md",
-             ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "docs" / "ASYNC.md"]
+             ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md",
+             ROOT / "docs" / "ASYNC.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
@@ -241,7 +242,37 @@ def timings() -> str:
     return _table(["command", "wall time", "result", "date", "commit", "load", "CPU"], rows)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Short stream-RL runs on the synthetic task (experiments/stream_rl_synthetic/results.json)
+
+
+def stream_rl_synthetic() -> str:
+    results = _json("experiments/stream_rl_synthetic/results.json")
+    rows = [[r["objective"], str(r["seed"]), _fmt(r["initial_val_reward"]), _fmt(r["final_val_reward"]),
+             _signed(r["change"]), f"{r['initial_val_switch_after_wrong']:.2f} -> {r['final_val_switch_after_wrong']:.2f}",
+             f"{r['wall_seconds'] / 60:.1f}"] for r in results["runs"]]
+    table = _table(["objective", "seed", "validation stream reward, iteration 0", "after 10", "change",
+                    "switch after a wrong answer", "wall min"], rows)
+    verdicts = []
+    for kind, d in results["decisions"].items():
+        what = "validation preference accuracy" if kind == "dpo" else "mean stream reward"
+        held = d.get("raises_val_preference_accuracy", d.get("raises_mean_stream_reward"))
+        verdicts.append(f"{kind.upper()}: {d['positive_seeds']} of {d['seeds']} seeds positive, mean change "
+                        f"{_signed(d['mean_change'])}: "
+                        + (f"raises {what} (the pre-registered rule)." if held
+                           else "not shown (the pre-registered rule needs 2 of 3 seeds positive and a positive "
+                                "mean)."))
+    text = table
+    if results.get("dpo_runs"):
+        text += "\n" + _table(["DPO seed", "validation preference accuracy before", "after", "change", "wall min"],
+                              [[str(r["seed"]), _fmt(r["val_preference_accuracy_before"]),
+                                _fmt(r["val_preference_accuracy_after"]), _signed(r["change"]),
+                                f"{r['wall_seconds'] / 60:.1f}"] for r in results["dpo_runs"]])
+    return text + "\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,
     "demo-summary": demo_summary,
     "readme-headline": readme_headline,

@@ -34,9 +34,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/stream_rl_synthetic"))
     args = parser.parse_args()
     runs, decisions = [], {}
+    dpo_runs = []
+    for run_dir in sorted(args.out.glob("dpo-[0-9]")):
+        if not (run_dir / "metrics.json").exists():
+            continue
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        wall = json.loads((run_dir / "wall.json").read_text())["wall_seconds"] if (run_dir / "wall.json").exists() \
+            else None
+        before, after = metrics["val_preference_accuracy_before"], metrics["val_preference_accuracy"]
+        dpo_runs.append({"seed": int(run_dir.name.rsplit("-", 1)[1]), "val_preference_accuracy_before": before,
+                         "val_preference_accuracy_after": after, "change": after - before,
+                         "val_margin": metrics.get("val_margin"), "wall_seconds": wall})
+    if dpo_runs:
+        changes = [r["change"] for r in dpo_runs]
+        decisions["dpo"] = {"seeds": len(changes), "positive_seeds": sum(c > 0 for c in changes),
+                            "mean_change": sum(changes) / len(changes),
+                            "raises_val_preference_accuracy": len(changes) == 3
+                            and sum(c > 0 for c in changes) >= 2 and sum(changes) > 0}
     for run_dir in sorted(args.out.glob("*-[0-9]")):
         kind, seed = run_dir.name.rsplit("-", 1)
-        if not (run_dir / "evals.json").exists():
+        if kind == "dpo" or not (run_dir / "evals.json").exists():
             continue
         evals = json.loads((run_dir / "evals.json").read_text())
         evals = evals if isinstance(evals, list) else evals.get("evals", evals)
@@ -46,14 +63,14 @@ def main() -> None:
         runs.append({"objective": kind, "seed": int(seed), "initial_step": first["step"], "final_step": last["step"],
                      **{f"initial_{k}": first.get(k) for k in KEYS}, **{f"final_{k}": last.get(k) for k in KEYS},
                      "change": last["val_reward"] - first["val_reward"], "wall_seconds": wall})
-    for kind in sorted({r["objective"] for r in runs}):
+    for kind in sorted({r["objective"] for r in runs}):  # the stream objectives
         changes = [r["change"] for r in runs if r["objective"] == kind]
         decisions[kind] = {"seeds": len(changes), "positive_seeds": sum(c > 0 for c in changes),
                            "mean_change": sum(changes) / len(changes),
                            "raises_mean_stream_reward": len(changes) == 3 and sum(c > 0 for c in changes) >= 2
                            and sum(changes) > 0}
     bootstrap = args.out / "bootstrap" / "adapter" / "adapter_model.safetensors"
-    result = {"preregistration": "PREREGISTERED.md", "runs": runs, "decisions": decisions,
+    result = {"preregistration": "PREREGISTERED.md", "runs": runs, "dpo_runs": dpo_runs, "decisions": decisions,
               "bootstrap_adapter_tensor_sha256": tensor_digest(bootstrap) if bootstrap.exists() else None}
     (HERE / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     print("| objective | seed | val reward before | after | change | switch after wrong before -> after | wall s |")

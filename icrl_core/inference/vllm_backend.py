@@ -30,7 +30,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's separate engine process (then guard 
 measured: docs/INFERENCE.md.
 
 Numerics: fp32 vLLM differs from the exact torch backend by float rounding (other kernels; the difference is
-measured by tests/test_vllm_backend.py and bench/inference_engine.py --parts vllm), so `exact` is False.
+measured by tests/integration/test_vllm_backend.py and bench/inference_engine.py --parts vllm), so `exact` is False.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""DPO / IPO (icrl_core/dpo.py, stage tasks/dpo.py) on the tiny model: training on the episodes' pairs raises
+preference accuracy, a kill resumes exactly, and the stage (episode pairs + pairs mined from the policy's
+streams) writes its outputs. The loss's parts: tests/unit/test_dpo.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from icrl_core.config import DPOConfig
+from icrl_core.dpo import train_dpo
+from icrl_core.supervised import episode_pairs
+from tasks.settings import load_config
+from tests.stage_helpers import keyword_rows, stage_args
+from tests.unit.test_dpo import _policy
+
+
+class Killed(Exception):
+    pass
+
+
+class MemoryRuntime:
+    rank, world_size = 0, 1
+
+    def __init__(self, checkpoints=None, kill_after=None):
+        self.checkpoints = checkpoints if checkpoints is not None else []
+        self.kill_after = kill_after
+        self.reports = []
+
+    def report(self, metrics, step):
+        self.reports.append(step)
+
+    def save_checkpoint(self, state):
+        self.checkpoints.append(copy.deepcopy(state))
+        if len(self.checkpoints) == self.kill_after:
+            raise Killed
+
+    def load_latest_checkpoint(self):
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def _cfg(**overrides) -> DPOConfig:
+    fields = {"max_steps": 6, "eval_steps": 3, "save_steps": 2, "batch_size": 8, "learning_rate": 1e-2,
+              "max_eval_pairs": 8, "beta": 0.5}
+    return DPOConfig(**{**fields, **overrides})
+
+
+def test_dpo_raises_preference_accuracy_and_resumes_exactly(tokens):
+    train, _ = keyword_rows(tokens)
+    # 8 pairs in every (full) batch, validated on themselves: a tiny random model cannot generalise, it can learn
+    pairs = val = episode_pairs(train)[:8]
+    policy = _policy()
+    metrics, history = train_dpo(policy, pairs, val, _cfg(), seed=1, runtime=MemoryRuntime())
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # -log sigmoid(0)
+    assert metrics["val_preference_accuracy_before"] == 0.0  # h = 0 everywhere: no pair preferred yet
+    assert metrics["val_preference_accuracy"] >= 0.75 and metrics["val_margin"] > 0
+    losses = [h["loss"] for h in history]
+    assert losses == sorted(losses, reverse=True)  # full-batch steps: the loss falls at every step
+    weights = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+
+    saved: list = []
+    with pytest.raises(Killed):
+        train_dpo(_policy(), pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved, kill_after=2))
+    resumed_policy = _policy()
+    resumed, resumed_history = train_dpo(resumed_policy, pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved))
+    timeless = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
+    assert timeless(resumed_history) == timeless(history)
+    assert all(torch.equal(weights[k], v) for k, v in resumed_policy.trainable_state_dict().items())
+    ipo, _ = train_dpo(_policy(), pairs, val, _cfg(loss="ipo", max_steps=2), seed=1, runtime=MemoryRuntime())
+    assert ipo["loss"] > 0
+
+
+def test_dpo_stage_trains_on_episode_and_mined_pairs(in_tmp):
+    from icrl_core.adapter_format import is_adapter_folder
+    from tasks import build_dataset, dpo, tokenize
+
+    config = load_config(None, [a for a in stage_args(
+        "dpo.max_steps=2", "dpo.eval_steps=2", "dpo.save_steps=1", "dpo.batch_size=2", "dpo.mine_streams=true",
+        "dpo.stream={steps: 3, group_size: 2, groups: 1}", "data.labels_per_episode=3") if a != "--set"],
+        environ={})
+    build_dataset.run(config)
+    tokenize.run(config)
+    metrics = dpo.run(config)
+    out = in_tmp / "artifacts" / "dpo"
+    assert is_adapter_folder(out / "adapter") and (out / "curves.png").stat().st_size > 1000
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(h["pairs"] >= 2 for h in history) and "mined_pairs" in history[0]
+    headline = json.loads((in_tmp / "metrics" / "dpo.json").read_text())
+    assert set(headline) == {"val_preference_accuracy", "val_preference_accuracy_before", "val_margin"}
+    assert metrics["step"] == 2 and "seconds" in metrics

@@ -1,0 +1,198 @@
+"""The evaluate stage's evaluation runs (tiny model): runs in a process pool or as streams of one engine give
+exactly what they give one after another, finished runs and forgetting measurements are reused, and an
+interrupted run resumes from its log. The stage's parts: tests/unit/test_evaluate_stage.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.settings import load_config, with_overrides
+from tasks.evaluate import run_evaluations
+from tests.unit.test_evaluate_stage import _configs
+
+
+def _steps(run_dir: str) -> list[dict]:
+    rows = [json.loads(line) for line in Path(run_dir, "steps.jsonl").read_text().splitlines()]
+    return [{k: row[k] for k in ("step", "query", "prediction", "reward", "context")} for row in rows]
+
+
+def test_runs_in_a_process_pool_equal_runs_in_turn(tmp_path):
+    in_turn = run_evaluations(_configs(tmp_path / "serial"), workers=1)
+    pooled = run_evaluations(_configs(tmp_path / "pool"), workers=2)
+    assert [r["strategy"] for r in pooled] == ["explorative", "naive", "zero_shot"]  # order of the configs
+    for a, b in zip(in_turn, pooled):
+        assert a["test_accuracy"] == b["test_accuracy"] and a["regret"] == b["regret"]
+        assert _steps(a["run_dir"]) == _steps(b["run_dir"])
+
+
+def test_runs_as_streams_of_one_engine_equal_runs_in_turn(tmp_path):
+    """inference.streams: three runs through one engine from three threads; exact, and with their passes fused."""
+    in_turn = run_evaluations(_configs(tmp_path / "serial"), workers=1)
+    for mode, fuse in (("streams", "false"), ("fused", "true")):
+        configs = [with_overrides(c, {"inference.streams": 3, "inference.fuse_streams": fuse})
+                   for c in _configs(tmp_path / mode)]
+        streamed = run_evaluations(configs, workers=1)
+        assert [r["strategy"] for r in streamed] == ["explorative", "naive", "zero_shot"]
+        for a, b in zip(in_turn, streamed):
+            assert _steps(a["run_dir"]) == _steps(b["run_dir"])
+            assert a["test_accuracy"] == b["test_accuracy"]
+
+
+def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_tmp):
+    from tasks.settings import with_overrides
+    from tasks.evaluate import cached_result, result_key, store_result
+    from tasks.icrl_eval import evaluate
+
+    config = _configs(in_tmp / "runs")[0]
+    assert cached_result(config) is None
+    first = evaluate(config, progress=False)
+    store_result(config, Path(first["run_dir"]))
+    # speed-only settings and the run folder do not matter; the seed, the model and the settings do
+    assert result_key(with_overrides(config, {"icrl_eval.threads": 1, "icrl_eval.run_name": "x"})) == \
+        result_key(config)
+    for change in ({"seed": 1}, {"icrl_eval.seed": 7}, {"icrl_eval.p_keep": 0.5}, {"model.dtype": "bfloat16"}):
+        assert result_key(with_overrides(config, change)) != result_key(config), change
+    moved = with_overrides(config, {"icrl_eval.output_dir": str(in_tmp / "elsewhere")})
+    reused = cached_result(moved)
+    assert reused["cached"] and reused["test_accuracy"] == first["test_accuracy"]
+    assert _steps(reused["run_dir"]) == _steps(first["run_dir"])
+    assert Path(reused["run_dir"]).parent == in_tmp / "elsewhere"
+
+
+def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
+    """DVC deletes a stage's outs before it runs again, so runs are computed in work folders outside them: a run
+    interrupted at its first test continues from its log and logs what an uninterrupted run logs."""
+    from tasks.evaluate import evaluation_results, work_config
+    from tasks.icrl_eval import evaluate
+
+    configs = _configs(in_tmp / "runs")[:2]
+    reference = run_evaluations(_configs(in_tmp / "reference")[:2], workers=1)
+
+    def killed(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt  # what a SIGINT does mid-run; a SIGKILL loses at most the step in progress
+
+    try:
+        evaluate(work_config(configs[0]), progress=False, on_test=killed)
+    except KeyboardInterrupt:
+        pass
+    results, resumed, _ = evaluation_results(configs, workers=1, reuse=True)
+    assert resumed == 1
+    for done, expected in zip(results, reference):
+        assert Path(done["run_dir"]).parent == in_tmp / "runs"  # delivered into the stage's own folder
+        assert done["test_accuracy"] == expected["test_accuracy"]
+        assert _steps(done["run_dir"]) == _steps(expected["run_dir"])
+    assert json.loads(Path(results[0]["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
+    # finished runs are stored and their work folders removed; a second stage run reuses them all
+    assert not any((in_tmp / ".icrl" / "evaluations" / "partial").iterdir())
+    again, resumed, _ = evaluation_results(configs, workers=1, reuse=True)
+    assert resumed == 0 and all(r["cached"] for r in again)
+
+
+def test_forgetting_measurements_are_kept_and_reused(in_tmp, monkeypatch):
+    import tasks.evaluate as stage
+
+    config = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                                "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3"],
+                         environ={})
+    first = stage.general_ability(config, None)
+    assert len(first["greedy"]["answers"]) == 2 and len(first["probe"]["correct"]) == 3
+    monkeypatch.setattr(stage, "_policy", lambda *args: (_ for _ in ()).throw(AssertionError("measured again")))
+    assert stage.general_ability(config, None) == first
+    changed = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                                 "evaluate.forgetting_max_new_tokens=5", "evaluate.forgetting_probe_items=3"],
+                          environ={})
+    assert stage.ability_key(changed, None) != stage.ability_key(config, None)
+    fresh = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                               "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3",
+                               "evaluate.reuse_runs=false"], environ={})
+    try:
+        stage.general_ability(fresh, None)
+    except AssertionError as error:
+        assert "measured again" in str(error)  # reuse_runs false measures again
+    else:
+        raise AssertionError("reuse_runs=false reused the stored measurement")
+
+
+def test_runs_and_forgetting_measurements_share_one_pool(in_tmp):
+    """Each model's forgetting measurements are pool jobs beside the runs: pooled, they equal what the stage
+    measures in its own process, and they are kept for the next stage run."""
+    import tasks.evaluate as stage
+
+    stage_config = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                                      "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3"],
+                               environ={})
+    configs = _configs(in_tmp / "runs")[1:]  # naive, zero_shot
+    results, resumed, abilities = stage.evaluation_results(configs, workers=2, reuse=True, config=stage_config,
+                                                           ability_adapters=(None,))
+    assert [r["strategy"] for r in results] == ["naive", "zero_shot"] and resumed == 0
+    assert (in_tmp / ".icrl" / "evaluations" / "ability" / f"{stage.ability_key(stage_config, None)}.json").exists()
+    fresh = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
+                               "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3",
+                               "evaluate.reuse_runs=false"], environ={})
+    assert abilities == [stage.general_ability(fresh, None)]  # measured here again: the same
+    again, _, kept = stage.evaluation_results(configs, workers=2, reuse=True, config=stage_config,
+                                              ability_adapters=(None,))
+    assert all(r["cached"] for r in again) and kept == abilities
+
+
+def test_a_run_resumes_after_its_adapter_moved(in_tmp):
+    """The work folder is named by the adapter's bytes, so a run of a moved (same-bytes) adapter resumes."""
+    import shutil
+
+    from tasks.settings import with_overrides
+    from icrl_core.model import policy_from_config
+    from tasks.evaluate import evaluation_results, work_config
+    from tasks.icrl_eval import evaluate
+
+    config = _configs(in_tmp / "runs")[1]
+    policy_from_config(config.model).save_adapter(in_tmp / "first")
+    at_first = with_overrides(config, {"model.init_adapter": str(in_tmp / "first")})
+
+    def killed(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    try:
+        evaluate(work_config(at_first), progress=False, on_test=killed)
+    except KeyboardInterrupt:
+        pass
+    shutil.move(in_tmp / "first", in_tmp / "moved")
+    moved = with_overrides(config, {"model.init_adapter": str(in_tmp / "moved")})
+    (done,), resumed, _ = evaluation_results([moved], workers=1, reuse=True)
+    assert resumed == 1
+    assert json.loads(Path(done["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
+
+
+def test_the_adapter_training_started_from_is_evaluated_alike_and_gated(in_tmp):
+    """evaluate.start_adapter: the start adapter (the bootstrap, when RL trains on top of it) runs with the same
+    strategies and seeds as the trained one, gain_over_start is their difference, and min_gain_over_start gates
+    promotion on it."""
+    import tasks.evaluate as stage
+    from icrl_core.config import EvaluateConfig, LoraAdapter
+    from icrl_core.model import policy_from_config
+    from tasks.evaluate import gates
+
+    config = load_config(None, ["model.spec=tiny", "tracking.enabled=false", "icrl_eval.task=keyword_map",
+                                "icrl_eval.train_k=6", "icrl_eval.test_every=3", "icrl_eval.test_k=4",
+                                "evaluate.strategies=[explorative]", "evaluate.workers=1",
+                                "evaluate.forgetting_questions=0", "evaluate.forgetting_probe_items=0",
+                                f"evaluate.adapter={in_tmp / 'rl'}", f"evaluate.start_adapter={in_tmp / 'start'}",
+                                "evaluate.min_gain_over_start=0.0", f"evaluate.output_dir={in_tmp / 'evaluate'}"],
+                         environ={})
+    for name, seed in (("start", 1), ("rl", 2)):
+        policy = policy_from_config(config.model.model_copy(update={"adapter": LoraAdapter(rank=4)}), seed=seed)
+        with __import__("torch").no_grad():
+            for param_name, param in policy.model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(std=0.5)
+        policy.save_adapter(in_tmp / name)
+    metrics = stage.run(config)
+    assert {"start_explorative_final_test_accuracy", "start_final_test_accuracy", "gain_over_start"} <= set(metrics)
+    assert metrics["gain_over_start"] == metrics["trained_final_test_accuracy"] - metrics["start_final_test_accuracy"]
+    assert metrics["passes_gain_over_start"] == (metrics["gain_over_start"] > 0.0)
+    assert (in_tmp / "evaluate" / "runs" / "start-explorative" / "metrics.json").exists()
+    cfg = EvaluateConfig(min_gain_over_start=0.05)
+    assert not gates({"gain": 0.1, "gain_over_start": 0.05}, cfg)["eligible"]
+    assert gates({"gain": 0.1, "gain_over_start": 0.06}, cfg)["eligible"]

@@ -1,0 +1,356 @@
+"""Orchestration with real services, on the tiny model so it runs in minutes:
+
+- a real Prefect server on 127.0.0.1, `prefect deploy --all` to a process work pool, a worker, and a pipeline
+  run triggered through the REST API (what the UI's "Run" button does), seen to complete with every stage task
+  completed and logged; the run goes Prefect -> `dvc repro` -> `icrl stage` (training stages as Ray Train jobs)
+  -> MLflow and ends with a registered model version whose alias the real promotion gates decided; the
+  promotion deployment takes no metric;
+- `dvc repro` again runs nothing; a bootstrap rerun that gives the same weights reruns nothing downstream;
+  `dvc exp run -S ppo.kl_beta=...` reruns only ppo and what depends on it;
+- a two-worker Ray Train PPO job survives a killed worker by resuming from its checkpoint;
+- a Ray Tune sweep of 4 PPO trials logs 4 MLflow child runs under one parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tasks.stages import pipeline_stages, stage_names
+from tests.conftest import ROOT, TASKS_DIR, own_ray_train_workers
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+STAGES = stage_names(ROOT)
+# what a pipeline run executes (policy_optimization: ppo; the dpo stage is the other branch)
+PIPELINE = pipeline_stages("ppo", ROOT)
+
+# The demo pipeline shrunk to seconds per stage: same stages, same params.yaml layout, tiny model.
+TINY_PIPELINE = {
+    "model.spec": "tiny", "model.dtype": "float32", "ray.enabled": True, "ray.num_workers": 1,
+    "data.num_episodes": 16, "data.episode_tokens": 512,
+    "bootstrap.max_steps": 2, "bootstrap.eval_steps": 2, "bootstrap.save_steps": 2, "bootstrap.batch_size": 2,
+    "reward_model.max_steps": 2, "reward_model.eval_steps": 2, "reward_model.save_steps": 2,
+    "reward_model.batch_size": 2,
+    "ppo.max_steps": 2, "ppo.rollout_episodes": 2, "ppo.batch_size": 2, "ppo.minibatch_size": 2, "ppo.epochs": 1,
+    "ppo.eval_steps": 2, "ppo.eval_episodes": 2, "ppo.save_steps": 2, "ppo.max_new_tokens": 3,
+    "ppo.stream": {"steps": 4, "group_size": 2, "groups": 1, "eval_groups": 1},
+    "adapt.num_requests": 1, "adapt.steps": 1,
+    "icrl_eval.train_k": 6, "icrl_eval.test_every": 3, "icrl_eval.test_k": 4,
+    "evaluate.forgetting_questions": 5,
+    "evaluate.forgetting_probe_items": 6,
+    "evaluate.feedback_probe_target": "brom",  # a label of keyword_map at seed 0
+    "evaluate.feedback_probe_queries": 3,
+    "evaluate.adapter_scale": 0.5,  # the evaluated and registered weights are halfway to the base model
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def project(request) -> Path:
+    """A git + DVC project like a fresh clone (sources, dvc.yaml, prefect.yaml) with tiny-model params, in a short
+    folder: the training stages start Ray, which puts AF_UNIX sockets under .icrl/ray (107 bytes max)."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="icrl-p-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("icrl_core", "tasks", "flows"):
+        shutil.copytree(ROOT / name, folder / name, ignore=ignore)
+    for name in ("dvc.yaml", "params.yaml", "prefect.yaml", ".gitignore"):
+        shutil.copy2(ROOT / name, folder / name)
+    _run(["git", "init", "-q", "-b", "main"], folder)
+    _run(["git", "config", "user.email", "test@example.invalid"], folder)
+    _run(["git", "config", "user.name", "test"], folder)
+    _run([str(BIN / "dvc"), "init", "-q"], folder)
+    from flows.pipeline import apply_overrides
+
+    apply_overrides({**TINY_PIPELINE, "data.tasks_dir": str(TASKS_DIR)}, str(folder / "params.yaml"))
+    _run(["git", "add", "-A"], folder)
+    _run(["git", "commit", "-qm", "tiny project"], folder)
+    return folder
+
+
+def _api(client: httpx.Client, method: str, path: str, **kwargs):
+    response = client.request(method, path, **kwargs)
+    assert response.status_code < 400, f"{method} {path}: {response.status_code} {response.text[:500]}"
+    return response.json()
+
+
+def _wait(client: httpx.Client, flow_run_id: str, deadline: float) -> dict:
+    while True:
+        run = _api(client, "GET", f"/flow_runs/{flow_run_id}")
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") or time.time() > deadline:
+            return run
+        time.sleep(3)
+
+
+def _logs(client: httpx.Client, flow_run_id: str) -> str:
+    messages, offset = [], 0
+    while True:
+        page = _api(client, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                          "limit": 200, "offset": offset})
+        messages += [entry["message"] for entry in page]
+        if len(page) < 200:
+            return "\n".join(messages)
+        offset += 200
+
+
+def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(project, monkeypatch):
+    from flows.services import Services
+
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("PREFECT_HOME", str(project / ".icrl" / "prefect"))
+    monkeypatch.setenv("PREFECT_WORKER_QUERY_SECONDS", "2")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    params_before = (project / "params.yaml").read_bytes()
+    services = Services(prefect_port=_free_port())
+    try:
+        services.start_prefect()
+        services.ensure_work_pool()
+        deployed = services.deploy(project)
+        assert "icrl-pipeline/pipeline" in deployed
+        services.start_worker()
+        with httpx.Client(base_url=services.prefect_api, timeout=30) as client:
+            deployment = _api(client, "GET", "/deployments/name/icrl-pipeline/pipeline")
+            # What the UI's "Run" button posts. One run in the workspace (a run with overrides is a DVC experiment
+            # that restores the workspace afterwards: tests/integration/test_experiments.py; two runs at once take
+            # too long for the suite).
+            created = [_api(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                            json={"parameters": {}})]
+            deadline = time.time() + 840
+            runs = [_wait(client, run["id"], deadline) for run in created]
+            task_runs = [_api(client, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+                         for run in runs]
+            logs = "\n".join(_logs(client, run["id"]) for run in runs)
+            # the promotion deployment takes an evaluation, not a metric: no caller can skip the gates. Prefect's
+            # server accepts the request (it does not forbid extra parameters); the flow refuses it when it starts
+            promotion = _api(client, "GET", "/deployments/name/icrl-promotion/promotion")
+            refused = _api(client, "POST", f"/deployments/{promotion['id']}/create_flow_run",
+                           json={"parameters": {"adapter_dir": "artifacts/ppo/adapter", "metric": 1.0}})
+            refused = _wait(client, refused["id"], time.time() + 180)
+        worker_log = (project / ".icrl" / "logs" / "prefect-worker.log").read_text(errors="replace")
+        for run in runs:
+            assert run["state"]["type"] == "COMPLETED", (f"{run['name']} ended {run['state']['type']}; logs:\n"
+                                                         f"{logs[-8000:]}\nworker log:\n{worker_log[-3000:]}")
+    finally:
+        services.stop()
+
+    assert refused["state"]["type"] in ("FAILED", "CRASHED"), refused["state"]
+    for tasks in task_runs:
+        assert {run["name"]: run["state"]["type"] for run in tasks} == {stage: "COMPLETED" for stage in PIPELINE}
+    assert "Running stage 'ppo'" in logs and "icrl stage ppo" in logs
+    # the run left params.yaml as it was
+    assert (project / "params.yaml").read_bytes() == params_before
+    # ... every stage wrote its headline metrics, the full records are in the outputs
+    for stage in PIPELINE:
+        assert (project / "metrics" / f"{stage}.json").exists(), stage
+    evaluated = json.loads((project / "artifacts" / "evaluate" / "metrics.json").read_text())
+    headline = json.loads((project / "metrics" / "evaluate.json").read_text())
+    assert headline == {k: evaluated[k] for k in headline} and len(headline) < 10
+    # the forgetting check is a paired comparison on the same 5 questions
+    flips = evaluated["forgetting_became_correct"] - evaluated["forgetting_became_wrong"]
+    assert flips / 5 == pytest.approx(-evaluated["forgetting_drop"])
+    assert evaluated["forgetting_change_ci95_low"] <= -evaluated["forgetting_drop"] <= evaluated[
+        "forgetting_change_ci95_high"]
+    # ... and so is the multiple-choice probe, on 6 items
+    assert evaluated["forgetting_probe_items"] == 6 and "passes_forgetting_probe" in evaluated
+    probe_flips = evaluated["forgetting_probe_became_correct"] - evaluated["forgetting_probe_became_wrong"]
+    assert probe_flips / 6 == pytest.approx(evaluated["forgetting_probe_trained_accuracy"]
+                                            - evaluated["forgetting_probe_base_accuracy"])
+    # ... and the feedback probe asked both models: p(target) after attempts marked wrong vs right
+    report = json.loads((project / "artifacts" / "evaluate" / "report.json").read_text())
+    for which, adapter in (("base", None), ("trained", "artifacts/evaluate/adapter")):
+        probe = report["feedback_probe"][which]
+        assert probe["target"] == "brom" and probe["queries"] == 3 and probe["adapter"] == adapter
+        conditions = probe["conditions"]
+        assert set(conditions) == {"n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right"}
+        assert evaluated[f"feedback_effect_n4_{which}"] == pytest.approx(
+            conditions["n4_right"]["p_target"] - conditions["n4_wrong"]["p_target"])
+        assert 0 < evaluated[f"feedback_p_target_n0_{which}"] < 1
+    # the real gates decided the alias: a version that fails them is never the champion
+    from tasks.settings import load_config
+    from tasks.evaluate import gates
+
+    promoted = json.loads((project / "metrics" / "promote.json").read_text())
+    decided = gates(evaluated, load_config(project / "params.yaml", [], environ={}).evaluate)
+    assert promoted["eligible"] == decided["eligible"] == evaluated["eligible"]
+    if not decided["eligible"]:
+        assert promoted["alias"] == "challenger", promoted
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    version = client.get_model_version_by_alias("icrl-policy", promoted["alias"])
+    assert int(version.version) == int(promoted["version"])
+    # ... and the refused promotion registered nothing
+    assert len(client.search_model_versions("name='icrl-policy'")) == int(promoted["version"])
+    # what was evaluated and registered is the trained adapter interpolated toward the base (adapter_scale 0.5)
+    import torch
+    from safetensors.torch import load_file
+
+    assert evaluated["adapter"] == "artifacts/evaluate/adapter" and evaluated["adapter_scale"] == 0.5
+    assert client.get_run(version.run_id).data.tags["icrl.eval.adapter"] == "artifacts/evaluate/adapter"
+    trained = load_file(project / "artifacts" / "ppo" / "adapter" / "adapter_model.safetensors")
+    interpolated = load_file(project / "artifacts" / "evaluate" / "adapter" / "adapter_model.safetensors")
+    assert set(interpolated) == set(trained) and any("lora_B" in name for name in trained)
+    for name, tensor in trained.items():
+        assert torch.allclose(interpolated[name], tensor * (0.5 if "lora_B" in name else 1.0)), name
+    runs = client.search_runs([client.get_experiment_by_name("icrl").experiment_id])
+    stage_runs = {r.data.tags.get("icrl.stage") for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert {"bootstrap", "reward_model", "ppo"} <= stage_runs
+
+
+def test_dvc_repro_again_runs_nothing(project):
+    started = time.perf_counter()
+    result = _run([str(BIN / "dvc"), "repro", *PIPELINE], project)
+    seconds = time.perf_counter() - started
+    output = result.stdout + result.stderr
+    assert "Running stage" not in output, output
+    assert "up to date" in output
+    print(f"no-op dvc repro: {seconds:.1f}s")
+
+
+def test_dvc_plots_render_the_learning_curves_offline(project):
+    result = _run([str(BIN / "dvc"), "plots", "show", "--json"], project)
+    plots = json.loads(result.stdout[result.stdout.index("{"):])
+    assert not plots.get("errors"), plots.get("errors")
+    for title in ("Supervised bootstrap loss and KL", "Reward model loss", "PPO mean reward, KL and entropy",
+                  "PPO validation accuracy"):
+        [vega] = plots["data"][title]
+        assert vega["content"]["data"]["values"], title
+    images = [name for name in plots["data"] if name.endswith(".png")]
+    assert len(images) == 4
+
+
+def test_a_bootstrap_rerun_with_the_same_weights_reruns_nothing_downstream(project):
+    """Downstream stages depend on the weights subfolder, not on the out folder whose metrics and timings change."""
+    import yaml
+
+    def bootstrap_lock() -> dict:
+        lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+        return {out["path"]: out["md5"] for out in lock["bootstrap"]["outs"]}
+
+    before = (project / "artifacts" / "bootstrap" / "adapter" / "adapter_model.safetensors").read_bytes()
+    old = bootstrap_lock()
+    _run([str(BIN / "dvc"), "repro", "--force", "--single-item", "bootstrap"], project)
+    assert (project / "artifacts" / "bootstrap" / "adapter" / "adapter_model.safetensors").read_bytes() == before
+    assert bootstrap_lock()["artifacts/bootstrap"] != old["artifacts/bootstrap"]  # metrics.json's timings moved
+    output = (lambda r: r.stdout + r.stderr)(_run([str(BIN / "dvc"), "repro", *PIPELINE], project))
+    assert "Running stage" not in output, output
+
+
+def test_dvc_exp_run_reruns_only_the_stages_that_depend_on_the_parameter(project):
+    # the ppo branch's stages as targets: dvc.yaml also holds the dpo branch, which this pipeline never ran
+    result = _run([str(BIN / "dvc"), "exp", "run", "-S", "ppo.kl_beta=0.03", *PIPELINE], project)
+    output = result.stdout + result.stderr
+    ran = {stage for stage in STAGES if f"Running stage '{stage}'" in output}
+    assert ran == {"ppo", "adapt", "evaluate", "promote"}, output[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ray Train and Ray Tune on the PPO stage
+
+TINY_PPO = [
+    "model.spec=tiny", "data.output_dir=data", "ppo.rollout_episodes=4", "ppo.batch_size=4",
+    "ppo.minibatch_size=2", "ppo.epochs=1", "ppo.eval_steps=100", "ppo.eval_episodes=2", "ppo.max_new_tokens=3",
+    "ppo.learning_rate=1e-3",
+]
+
+
+@pytest.fixture(scope="module")
+def ray_folder(tmp_path_factory):
+    import ray
+
+    from tests.ppo_helpers import write_keyword_dataset
+
+    import tempfile
+
+    # Ray puts AF_UNIX sockets under the working folder (.icrl/ray): keep the path short (107 bytes max).
+    folder = Path(tempfile.mkdtemp(prefix="icrl-ray-", dir="/tmp"))
+    write_keyword_dataset(folder / "data", train=16, val=2)
+    old = os.getcwd()
+    os.chdir(folder)
+    yield folder
+    ray.shutdown()
+    os.chdir(old)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monkeypatch):
+    from icrl_core.checkpoint import latest_checkpoint
+    from tasks.settings import load_config
+    from tasks.ppo import run
+    from tasks.runtime import checkpoint_dir_for
+
+    config = load_config(None, TINY_PPO + ["tracking.enabled=false", "ray.enabled=true", "ray.num_workers=2",
+                                           "ray.max_failures=2", "ppo.max_steps=6", "ppo.save_steps=1"],
+                         environ={})
+    killed: list[int] = []
+
+    def kill_one_worker_after_a_checkpoint():
+        folder = checkpoint_dir_for(config, "ppo")
+        deadline = time.time() + 600
+        while time.time() < deadline and not killed:
+            latest = latest_checkpoint(folder)
+            if latest is not None and latest.name >= "step-00000002":
+                for proc in own_ray_train_workers():
+                    proc.kill()
+                    killed.append(proc.info["pid"])
+                    return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=kill_one_worker_after_a_checkpoint)
+    watcher.start()
+    metrics = run(config)
+    watcher.join()
+    assert killed, "no Ray Train worker was found to kill"
+    history = json.loads((ray_folder / "artifacts" / "ppo" / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert metrics["iterations"] == 6 and metrics["world_size"] == 2
+
+
+def test_tune_sweep_of_four_ppo_trials_logs_four_mlflow_child_runs(ray_folder):
+    import mlflow
+
+    from tasks.settings import load_config
+    from tasks.sweep import run_sweep
+
+    store = f"sqlite:///{ray_folder / 'sweep-mlflow.db'}"
+    config = load_config(None, TINY_PPO + [f"tracking.tracking_uri={store}", "tracking.experiment=sweep-test",
+                                           "sweep.stage=ppo", "sweep.num_samples=4", "sweep.max_concurrent=2",
+                                           "sweep.max_steps=2", "sweep.grace_period=1"], environ={})
+    summary = run_sweep(config)
+    assert len(summary["trials"]) == 4 and all(t["error"] is None for t in summary["trials"])
+    assert set(summary["best_params"]) == {"ppo.learning_rate", "ppo.kl_beta"}
+    assert (ray_folder / "artifacts" / "sweep" / "best.json").exists()
+    client = mlflow.MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("sweep-test")
+    children = client.search_runs([experiment.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{summary['parent_run_id']}'")
+    assert len(children) == 4
+    for child in children:
+        assert {"ppo.learning_rate", "ppo.kl_beta"} <= set(child.data.params)
+        assert "mean_reward" in child.data.metrics

@@ -1,0 +1,108 @@
+"""The PPO stage in stream mode (icrl_core/stream_rl.py, tiny model): stream training resumes exactly, and the
+stage needs no built dataset and writes its outputs. Its parts: tests/unit/test_stream_rl.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from icrl_core.config import LoraAdapter, PPOConfig
+from tasks.settings import load_config
+from icrl_core.dataset_build import resolve_sources
+from icrl_core.ppo import trainable_tensors, zero_value_head
+from tests.unit.test_stream_rl import DATA, fresh
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """One tiny LoRA policy with a value head; `fresh` puts back its initial trainable weights."""
+    from icrl_core.model import load_policy
+
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    zero_value_head(policy)
+    return policy
+
+
+class Killed(Exception):
+    """A run killed right after a checkpoint."""
+
+
+class MemoryRuntime:
+    """The runtime protocol of train_ppo with checkpoints kept in memory."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, checkpoints: list | None = None, kill_after: int | None = None):
+        self.checkpoints = checkpoints if checkpoints is not None else []
+        self.reports: list[tuple[int, dict]] = []
+        self.kill_after = kill_after  # the run dies right after writing this many checkpoints
+
+    def report(self, metrics, step):
+        self.reports.append((step, dict(metrics)))
+
+    def save_checkpoint(self, state):
+        import copy
+
+        self.checkpoints.append(copy.deepcopy(state))
+        if len(self.checkpoints) == self.kill_after:
+            raise Killed
+
+    def load_latest_checkpoint(self):
+        return self.checkpoints[-1] if self.checkpoints else None
+
+
+def test_stream_training_resumes_exactly(policy):
+    """3 iterations uninterrupted (a checkpoint after each, the last one included); then a run killed after its
+    second checkpoint and resumed from it: the same history, evaluations and weights."""
+    from icrl_core.policy_optimization import train_ppo
+
+    cfg = PPOConfig(mode="stream", objective={"kind": "grpo"}, max_steps=3, save_steps=1, eval_steps=3,
+                    stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=1,
+                    minibatch_size=2, batch_size=4, learning_rate=1e-2)
+    sources = (resolve_sources(DATA, 0), DATA)
+
+    def train(config, runtime):
+        return train_ppo(policy, [], [], config, 0, runtime, 2048, None, sources)
+
+    fresh(policy)
+    runtime = MemoryRuntime()
+    summary, history, evals = train(cfg, runtime)
+    assert [state.step for state in runtime.checkpoints] == [1, 2, 3]
+    weights = {k: v.clone() for k, v in trainable_tensors(policy).items()}
+    assert [h["step"] for h in history] == [1, 2, 3] and [e["step"] for e in evals] == [0, 3]
+    assert {"mean_reward", "reward_second_half", "switch_after_wrong", "kl"} <= set(history[0])
+    assert "val_reward_second_half" in evals[0] and "val_accuracy_after" in summary
+    fresh(policy)
+    saved: list = []
+    with pytest.raises(Killed):
+        train(cfg, MemoryRuntime(saved, kill_after=2))
+    fresh(policy)
+    _, resumed, resumed_evals = train(cfg, MemoryRuntime(saved))
+
+    def timeless(rows):
+        return [{k: (None if v != v else v) for k, v in row.items() if "seconds" not in k} for row in rows]  # NaN
+
+    assert timeless(resumed) == timeless(history) and resumed_evals[-1] == evals[-1]
+    diffs = {k: float((weights[k] - v).abs().max()) for k, v in trainable_tensors(policy).items()}
+    assert not any(diffs.values()), diffs
+
+
+TINY_STREAMS = [
+    "model.spec=tiny", "tracking.enabled=false", "ppo.mode=stream", "ppo.max_steps=2", "ppo.save_steps=1",
+    "ppo.stream={steps: 3, group_size: 2, groups: 1, eval_groups: 1}", "ppo.objective={kind: rloo}",
+    "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.epochs=1", "ppo.eval_steps=2", "ppo.learning_rate=1e-2",
+    "data.sources=[{kind: synthetic, name: keyword_map}]", "data.labels_per_episode=3",
+]
+
+
+def test_stream_stage_needs_no_built_dataset_and_writes_its_outputs(in_tmp):
+    from tasks.ppo import run
+
+    metrics = run(load_config(None, TINY_STREAMS, environ={}))
+    out = in_tmp / "artifacts" / "ppo"
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2] and metrics["iterations"] == 2
+    assert [e["step"] for e in json.loads((out / "evals.json").read_text())] == [0, 2]
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert (out / "adapter" / "adapter_model.safetensors").exists()

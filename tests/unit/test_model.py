@@ -1,0 +1,178 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icrl_core.config import LastBlocksAdapter, LoraAdapter, ModelConfig
+from icrl_core.errors import CheckpointError, UserError
+from icrl_core.model import ValueHead, load_policy, policy_from_config, saved_adapter
+
+
+def _ids(policy, text="Query: where is my card?"):
+    return torch.tensor([policy.tokenizer.encode(text)])
+
+
+def _perturb_trainable(policy, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def test_lora_disabled_adapters_give_exactly_the_base_logits(tiny):
+    ids = _ids(tiny)
+    with torch.no_grad():
+        base_logits, _, _ = tiny.forward(ids)
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8))
+    _perturb_trainable(policy)  # LoRA B starts at zero; make the adapter matter
+    with torch.no_grad():
+        trained, _, _ = policy.forward(ids)
+        with policy.reference():
+            reference, _, _ = policy.forward(ids)
+    assert not torch.allclose(trained, base_logits)
+    assert torch.equal(reference, base_logits)
+    n_base = sum(p.numel() for p in tiny.model.parameters())
+    n_policy = sum(p.numel() for p in policy.model.parameters())
+    assert n_policy - n_base == sum(p.numel() for p in policy.trainable_parameters())  # no second copy
+
+
+def test_last_blocks_reference_swaps_frozen_copies(tiny):
+    ids = _ids(tiny)
+    with torch.no_grad():
+        base_logits, _, _ = tiny.forward(ids)
+    policy = load_policy("tiny", seed=0, adapter=LastBlocksAdapter(n_blocks=1))
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("model.layers.1.") for n in trainable)
+    _perturb_trainable(policy)
+    with torch.no_grad():
+        trained, _, _ = policy.forward(ids)
+        with policy.reference():
+            reference, _, _ = policy.forward(ids)
+        after, _, _ = policy.forward(ids)
+    assert torch.equal(reference, base_logits)
+    assert torch.equal(after, trained) and not torch.equal(trained, base_logits)
+
+
+def test_adapter_save_load_round_trip(tmp_path):
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    _perturb_trainable(policy)
+    policy.save_adapter(tmp_path / "adapter")
+    fresh = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True,
+                        init_adapter=tmp_path / "adapter")
+    ids = _ids(policy)
+    with torch.no_grad():
+        a, va, _ = policy.forward(ids, with_values=True)
+        b, vb, _ = fresh.forward(ids, with_values=True)
+    assert torch.equal(a, b) and torch.equal(va, vb)
+    wrong = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=8))
+    with pytest.raises(CheckpointError, match="shape"):
+        wrong.load_adapter(tmp_path / "adapter")
+    # From a config whose adapter section says rank 8 (the default), the saved adapter's own shape wins.
+    config = ModelConfig(spec="tiny", init_adapter=tmp_path / "adapter")
+    assert config.adapter.rank != 4 and saved_adapter(tmp_path / "adapter") == LoraAdapter(rank=4)
+    from_config = policy_from_config(config, value_head=True)
+    with torch.no_grad():
+        assert torch.equal(a, from_config.forward(ids)[0])
+
+
+def _lora_deltas(policy) -> dict[str, torch.Tensor]:
+    return {name: module.get_delta_weight("default").clone() for name, module in policy.model.named_modules()
+            if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {})}
+
+
+@pytest.mark.parametrize("kind", ["lora", "last_blocks"])
+def test_interpolation_to_reference_is_base_plus_scaled_change(tiny, tmp_path, kind):
+    """WiSE-FT: theta(s) = theta_ref + s (theta - theta_ref); s = 0 is exactly the base model."""
+    adapter = LoraAdapter(rank=4, alpha=8) if kind == "lora" else LastBlocksAdapter(n_blocks=1)
+    policy = load_policy("tiny", seed=0, adapter=adapter)
+    _perturb_trainable(policy)
+    policy.save_adapter(tmp_path / "trained")
+    before = ({n: p.clone() for n, p in policy.trainable_state_dict().items()} if kind == "last_blocks"
+              else _lora_deltas(policy))
+    policy.interpolate_to_reference(0.25)
+    if kind == "lora":
+        after = _lora_deltas(policy)
+        assert after and all(torch.allclose(after[n], 0.25 * before[n], atol=1e-7) for n in before)
+    else:
+        reference = {f"model.layers.1.{n}": p for n, p in policy._frozen_blocks[1].named_parameters()}
+        after = policy.trainable_state_dict()
+        assert all(torch.allclose(after[n], reference[n] + 0.25 * (before[n] - reference[n]), atol=1e-6)
+                   for n in before)
+    ids = _ids(policy)
+    with torch.no_grad():
+        base_logits = tiny.forward(ids)[0]
+        zero = load_policy("tiny", seed=0, adapter=adapter, init_adapter=tmp_path / "trained")
+        zero.interpolate_to_reference(0.0)
+        assert torch.allclose(zero.forward(ids)[0], base_logits, atol=1e-5)
+    with pytest.raises(UserError, match=r"\[0, 1\]"):
+        policy.interpolate_to_reference(1.5)
+
+
+def test_value_head_save_load_round_trip(tmp_path):
+    head = ValueHead(16)
+    hidden = torch.randn(2, 5, 16)
+    head.save(tmp_path / "v.safetensors")
+    loaded = ValueHead.load(tmp_path / "v.safetensors")
+    assert torch.equal(head(hidden), loaded(hidden))
+    assert head(hidden).shape == (2, 5)
+    (tmp_path / "bad.safetensors").write_bytes((tmp_path / "v.safetensors").read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        ValueHead.load(tmp_path / "bad.safetensors")
+
+
+def test_logits_at_selects_positions(tiny):
+    ids = _ids(tiny)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, -2:] = True
+    with torch.no_grad():
+        full, _, _ = tiny.forward(ids)
+        part, _, _ = tiny.forward(ids, logits_at=mask)
+    assert part.shape == (2, full.shape[-1])
+    assert torch.allclose(part, full[0, -2:], atol=1e-6)
+
+
+def test_hub_id_and_local_folder_specs_load_from_local_copies(tmp_path, monkeypatch, tiny):
+    """A Hugging Face id resolves from the local HF cache (offline); a folder loads directly."""
+    from icrl_core.model import resolve_spec
+
+    folder = tmp_path / "saved"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    from_folder = load_policy(str(folder))
+    ids = _ids(tiny)
+    with torch.no_grad():
+        assert torch.equal(from_folder.forward(ids)[0], tiny.forward(ids)[0])
+    # lay the folder out as a hub cache snapshot: models--org--name/snapshots/<rev>/ + refs/main
+    hub = tmp_path / "hub"
+    snapshot = hub / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    snapshot.parent.mkdir(parents=True)
+    folder.rename(snapshot)
+    (hub / "models--acme--tiny-llama" / "refs").mkdir()
+    (hub / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    assert resolve_spec("acme/tiny-llama") == ("hub", "acme/tiny-llama")
+    from_hub = load_policy("acme/tiny-llama")
+    with torch.no_grad():
+        assert torch.equal(from_hub.forward(ids)[0], tiny.forward(ids)[0])
+    from icrl_core.errors import UserError
+
+    with pytest.raises(UserError, match="cannot load model 'acme/absent'"):
+        load_policy("acme/absent")
+
+
+def test_dtype_auto_picks_bfloat16_only_where_it_is_fast():
+    from icrl_core.errors import UserError
+    from icrl_core.model import fast_bfloat16, load_base_model, resolve_dtype
+
+    assert resolve_dtype("auto") == ("bfloat16" if fast_bfloat16() else "float32")
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(UserError, match="auto, float32, bfloat16"):
+        resolve_dtype("float16")
+    model, _ = load_base_model("tiny", "auto")
+    assert model.dtype == getattr(torch, resolve_dtype("auto"))

@@ -1,0 +1,45 @@
+"""Where code and devices go on Ray, as pure functions: code is shipped in the runtime_env only to clusters, and
+the GPU / collective-backend choice (tasks/ray_train). A real Ray job importing the shipped code:
+tests/integration/test_ray_runtime_env.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def test_ship_code_defaults_to_clusters_only():
+    from tasks.ray_train import SHIP_EXCLUDES, code_runtime_env, ships_code
+    from tasks.settings import load_config
+
+    assert not ships_code(load_config(None, [], environ={}).ray)
+    assert ships_code(load_config(None, ["ray.address=ray-head:6379"], environ={}).ray)
+    assert not ships_code(load_config(None, ["ray.address=ray-head:6379", "ray.ship_code=false"], environ={}).ray)
+    shipped = code_runtime_env()
+    assert [os.path.basename(p) for p in shipped["py_modules"]] == ["icrl_core", "tasks", "flows"]
+    assert {"artifacts", ".venv", ".git", "mlruns", ".icrl"} <= set(SHIP_EXCLUDES) == set(shipped["excludes"])
+
+
+@pytest.mark.parametrize(("use_gpu", "device", "gpus", "expected"), [
+    ("auto", "auto", 0, (False, "gloo")),
+    ("auto", "auto", 4, (True, "nccl")),
+    ("auto", "cpu", 4, (False, "gloo")),   # model.device=cpu: no GPU reserved
+    (False, "auto", 4, (False, "gloo")),
+    (True, "auto", 4, (True, "nccl")),
+    (True, "cpu", 4, (True, "gloo")),       # a GPU reserved but the model on the CPU: gloo matches
+])
+def test_ray_devices_choose_gpus_and_the_collective_backend(use_gpu, device, gpus, expected):
+    from tasks.ray_train import ray_devices
+
+    assert ray_devices(use_gpu, device, gpus) == expected
+
+
+def test_ray_devices_refuse_impossible_requests():
+    from icrl_core.errors import UserError
+    from tasks.ray_train import ray_devices
+
+    with pytest.raises(UserError, match="no GPU"):
+        ray_devices(True, "auto", 0)
+    with pytest.raises(UserError, match="no CUDA device"):
+        ray_devices(False, "cuda", 4)

@@ -1,0 +1,146 @@
+"""The PPO stage in stream mode (icrl_core/stream_rl.py): step sums, group advantages, statistics by hand, and
+every objective runs an iteration on in-context RL streams of the tiny model and moves the adapter. Resume and
+the stage: tests/integration/test_stream_rl.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from icrl_core.config import DataConfig, LoraAdapter, PPOConfig, SyntheticSource
+from icrl_core.dataset_build import resolve_sources
+from icrl_core.objectives import OBJECTIVE_KINDS
+from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head
+from icrl_core.stream_rl import group_step_advantages, stream_step, step_sums
+
+T = torch.tensor
+DATA = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)
+
+
+def test_step_sums_add_each_steps_decisions():
+    values = T([[1.0, 2.0, 4.0], [3.0, 5.0, 7.0]])
+    step = T([[0, 0, 1], [1, 1, 0]])
+    mask = T([[1, 1, 1], [1, 0, 0]]).bool()
+    assert torch.allclose(step_sums(values, step, mask, 2), T([[3.0, 4.0], [0.0, 3.0]]))
+
+
+def test_group_advantages_follow_the_objective():
+    returns = T([[1.0], [0.0], [1.0], [1.0]])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    groups = T([0, 0, 1, 1])
+    lengths = torch.ones(4, 1)
+
+    def cfg(kind: str) -> PPOConfig:
+        return PPOConfig(mode="stream", objective={"kind": kind})
+
+    # group 0: (1, 0) -> rloo (1, -1), centred (0.5, -0.5), normalised 0.5 / std(= 0.7071); group 1: all 0
+    assert torch.allclose(group_step_advantages(cfg("rloo"), returns, mask, groups, lengths), T([[1.], [-1.], [0.], [0.]]))
+    for kind in ("dr_grpo", "aipo", "opo"):
+        out = group_step_advantages(cfg(kind), returns, mask, groups, lengths)
+        assert torch.allclose(out, T([[0.5], [-0.5], [0.0], [0.0]])), kind
+    for kind in ("grpo", "gspo"):
+        out = group_step_advantages(cfg(kind), returns, mask, groups, lengths)
+        assert torch.allclose(out, T([[0.5], [-0.5], [0.0], [0.0]]) / (math.sqrt(0.5) + 1e-4)), kind
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """One tiny LoRA policy with a value head; `fresh` puts back its initial trainable weights."""
+    from icrl_core.model import load_policy
+
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    zero_value_head(policy)
+    return policy
+
+
+def fresh(policy) -> None:
+    from icrl_core.ppo import load_trainable_tensors
+
+    if not hasattr(policy, "_initial"):
+        policy._initial = {k: v.clone() for k, v in trainable_tensors(policy).items()}
+    load_trainable_tensors(policy, policy._initial)
+
+
+@pytest.mark.parametrize("kind", OBJECTIVE_KINDS)
+def test_every_objective_updates_the_policy_from_streams(policy, kind):
+    cfg = PPOConfig(mode="stream", objective={"kind": kind}, stream={"steps": 4, "group_size": 3, "groups": 2},
+                    epochs=1, minibatch_size=3, batch_size=6, learning_rate=1e-2, kl_beta=0.05, temperature=1.0)
+    fresh(policy)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, resolve_sources(DATA, 0), DATA, cfg, cfg.kl_beta, 0, 1,
+                          iteration_generator(0, 1), 2048)
+    assert 0.0 <= metrics["mean_reward"] <= 1.0 and metrics["action_tokens"] >= 6 * 4
+    for key in ("loss", "policy_loss", "entropy", "kl", "approx_kl", "reward_first_half", "answer_prob"):
+        assert math.isfinite(metrics[key]), key
+    assert math.isfinite(metrics["explained_variance"]) == (kind == "ppo")
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.isfinite(v).all() for v in after.values())  # padded candidates must not poison gradients
+
+
+def test_context_distillation_shapes_the_reward_with_the_teacher(policy):
+    """ppo.distill: the teacher pass runs, the advantages come from the distillation reward, the task accuracy
+    stays the task's, and the update moves the adapter."""
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, stream={"steps": 4, "group_size": 3, "groups": 2},
+                    distill={"adv_tau": 0.5, "teacher_tau": 1.0, "student_tau": 0.1}, epochs=1, minibatch_size=3,
+                    batch_size=6, learning_rate=1e-2, kl_beta=0.0, temperature=1.0)
+    fresh(policy)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, resolve_sources(DATA, 0), DATA, cfg, 0.0, 0, 1,
+                          iteration_generator(0, 1), 2048)
+    assert metrics["teacher_logp"] < 0 and metrics["student_logp"] < 0
+    assert metrics["shaped_reward"] == pytest.approx(0.5 * metrics["task_accuracy"] + metrics["teacher_logp"]
+                                                     - 0.1 * metrics["student_logp"], abs=1e-5)
+    assert metrics["task_accuracy"] == pytest.approx(metrics["mean_reward"])
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="ppo.distill needs ppo.mode=stream"):
+        PPOConfig(distill={"teacher_tau": 1.0})
+
+
+def test_skipped_passes_give_the_same_advantages(policy):
+    """One epoch without KL: pi_old is the generation's behaviour log-prob and no reference pass runs; the
+    advantages and log-probs equal those of the full preparation."""
+    from icrl_core.stream_rl import prepare_streams, roll_out
+    from icrl_core.streams import collate_streams
+
+    fresh(policy)
+    with torch.no_grad():  # a policy that differs from its reference
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    fast = PPOConfig(mode="stream", objective={"kind": "grpo"}, stream={"steps": 3, "group_size": 3, "groups": 2},
+                     epochs=1, kl_beta=0.0)
+    streams = roll_out(policy, resolve_sources(DATA, 0), DATA, fast, 0, 1, range(2), "train", 2048)
+    batch = collate_streams(streams, policy.tokenizer.pad_token_id)
+    quick = prepare_streams(policy, batch, fast, beta=0.0)
+    full = prepare_streams(policy, batch, fast.model_copy(update={"epochs": 2}), beta=0.05)
+    assert torch.allclose(quick.old_logp, full.old_logp, atol=1e-4)
+    assert torch.allclose(quick.advantages, full.advantages)
+    assert torch.equal(quick.kl, torch.zeros_like(quick.kl)) and full.kl.abs().sum() > 0
+    fresh(policy)
+
+
+def test_stream_statistics_by_hand():
+    from icrl_core.icrl_eval import EpisodeRecord
+    from icrl_core.stream_rl import stream_statistics
+    from icrl_core.streams import Decision, Stream, StreamStep
+
+    def stream(answers: list[tuple[str, str]]) -> Stream:
+        steps = [StreamStep(EpisodeRecord(t, "q", gold, said, int(gold == said), int(gold == said)), 0, (1,),
+                            [Decision(0, (1, 2), 0, math.log(0.5))]) for t, (gold, said) in enumerate(answers)]
+        return Stream(None, 0, [], steps)
+
+    # stream a: wrong a->a (no switch), wrong a->b (switch), right; stream b: wrong b->b, wrong b->b (no switch)
+    a = stream([("b", "a"), ("b", "a"), ("b", "b"), ("a", "a")])
+    b = stream([("a", "b"), ("a", "b"), ("a", "b"), ("b", "b")])
+    stats = stream_statistics([a, b])
+    assert stats["mean_reward"] == 3 / 8
+    assert stats["reward_first_half"] == 0.0 and stats["reward_second_half"] == 3 / 4
+    # after a wrong answer: a0->a1 same, a1->a2 switch; b0->b1, b1->b2, b2->b3 same -> 1 / 5
+    assert stats["switch_after_wrong"] == pytest.approx(1 / 5)
+    assert stats["answer_prob"] == pytest.approx(0.5)

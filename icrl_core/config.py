@@ -345,6 +345,39 @@ class StreamConfig(Section):
                                       "same ones at every evaluation) run at each evaluation (0: none).")] = 2
 
 
+class AsyncRollouts(Section):
+    """Asynchronous stream rollouts (ppo.mode=stream; docs/ASYNC.md): Ray actors generate the streams of the next
+    iterations with the latest policy version they have received while the trainer updates. A rollout of trainer
+    step s (the s-th update, trained from version s - 1) is generated with version max(0, s - 1 - max_async_level):
+    it waits for that version, never regenerated. pi_old of the objective is then the behaviour policy (the
+    recorded log-probs), so the ratio pi / mu corrects for the lag; history logs the lag and the ratio. Needs Ray
+    (a local one, or ray.address) also when ray.enabled is false."""
+
+    enabled: Annotated[bool, Field(description="Generate stream rollouts in Ray actors, overlapped with the "
+                                   "updates (off: the synchronous loop, rollout then update).")] = False
+    actors: Annotated[int, Field(ge=1, le=64, description="Rollout actors per training worker; a step's groups "
+                                 "are split over them.")] = 1
+    max_async_level: Annotated[int, Field(ge=0, le=16, description="How many policy versions older than the "
+                                          "trainer's a consumed rollout may be: (s - 1) - v <= this at step s for "
+                                          "a rollout of version v. 0: the synchronous order (each rollout waits "
+                                          "for the previous update), still in the actors.")] = 1
+    actor_cpus: Annotated[float, Field(ge=0, le=64, description="Ray CPUs reserved per actor (its torch "
+                                       "threads: max(1, int(actor_cpus))). A local Ray Train job leaves them "
+                                       "free of its workers.")] = 1.0
+    transport: Annotated[Literal["object_store", "file"], Field(
+        description="How weights reach the actors: object_store (ray.put of the trainable tensors, LoRA-sized; "
+                    "any Ray cluster) or file (a safetensors file per version in weights_dir, which the actors "
+                    "must see at the same path: a shared filesystem).")] = "object_store"
+    weights_dir: Annotated[Path | None, Field(description="Folder of the pushed weight files (transport=file); "
+                                              "each is deleted once every actor has loaded it.")] = None
+
+    @model_validator(mode="after")
+    def _file_needs_a_folder(self) -> AsyncRollouts:
+        if self.enabled and self.transport == "file" and self.weights_dir is None:
+            raise ValueError("transport=file needs weights_dir: a folder every actor sees at the same path")
+        return self
+
+
 class PPOConfig(OptimFields):
     """PPO in ICRL mode (stage 5; see docs/PPO.md). One step = one PPO iteration: roll out `rollout_episodes`
     episodes, then `epochs` passes over them in minibatches."""
@@ -416,6 +449,8 @@ class PPOConfig(OptimFields):
                                          "from the in-context-learning teacher (mode stream): the reward of each "
                                          "step with the teacher's and the student's log-probabilities of the "
                                          "answer.")
+    async_rollouts: AsyncRollouts = Field(default_factory=AsyncRollouts, description="Asynchronous stream "
+                                          "rollouts in Ray actors with a bounded policy lag (mode stream).")
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, value head, checkpoints).")] = Path(
         "artifacts/ppo"
     )
@@ -430,6 +465,9 @@ class PPOConfig(OptimFields):
                              "feedback in context is the task reward); use reward.kind=task")
         if self.distill.active and self.mode != "stream":
             raise ValueError("ppo.distill needs ppo.mode=stream (the teacher reads a stream's gold labels)")
+        if self.async_rollouts.enabled and self.mode != "stream":
+            raise ValueError("async_rollouts.enabled needs ppo.mode=stream (token-mode rollouts run in the "
+                             "trainer)")
         if self.mode == "code" and self.reward.kind != "task":
             raise ValueError(f"reward.kind={self.reward.kind}: code rollouts are rewarded by the code.reward "
                              "components; weigh a reward model in with code.reward.weights.reward_model (and "

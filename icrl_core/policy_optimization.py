@@ -31,14 +31,17 @@ from icrl_core.training_loop import Schedule, Trainer, run_loop
 
 
 def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, runtime, max_tokens: int,
-              scorer=None, stream_sources=None, code=None) -> tuple[dict[str, float], list[dict], list[dict]]:
+              scorer=None, stream_sources=None, code=None, rollout_source=None
+              ) -> tuple[dict[str, float], list[dict], list[dict]]:
     """PPO iterations 1..max_steps (resuming after the last checkpoint). Returns (summary, history, evals).
 
     Data-parallel: each rank rolls out its shard of the iteration's episodes; gradients are averaged.
     `ppo.mode=stream` rolls out in-context RL streams instead (icrl_core/stream_rl.py); `stream_sources` is then
     (resolved data.sources, the data config) and the episodes are not used. `ppo.mode=code` rolls out code
     tasks (icrl_core/code_rl.py); `code` is then the pipeline's `code` section (tasks, sandbox, reward) and
-    `scorer` the reward model of the reward_model component."""
+    `scorer` the reward model of the reward_model component. With `ppo.async_rollouts.enabled` the streams come
+    from `rollout_source` (actors: tasks/async_rollouts.RolloutPool) on the schedule of
+    icrl_core/async_rollouts.py, and the checkpoints also hold the weights of the rollouts in flight."""
     streams, code_mode = cfg.mode == "stream", cfg.mode == "code"
     per_step, what = {"stream": (cfg.stream.groups, "ppo.stream.groups"),
                       "code": (cfg.code.tasks_per_step, "ppo.code.tasks_per_step")}.get(
@@ -49,6 +52,7 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
                         f"({world_size()})")
     optimizer, scheduler = make_optimizer(policy, cfg)
     beta = cfg.kl_beta  # the KL coefficient of the next iteration (moves under ppo.kl_control: adaptive)
+    runner = None  # asynchronous rollouts
     if streams:
         from icrl_core import stream_rl
 
@@ -58,6 +62,10 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
         def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
             return stream_rl.stream_step(policy, optimizer, scheduler, sources, data, cfg, beta, seed, step,
                                          generator, max_tokens)
+
+        if cfg.async_rollouts.enabled:
+            runner, run_step = async_stream_steps(policy, optimizer, scheduler, sources, data, cfg, seed, max_tokens,
+                                                  rollout_source, lambda: beta)
 
         def run_eval() -> dict[str, float]:
             return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens)
@@ -103,9 +111,51 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
         nonlocal beta
         beta = float(extra["beta"])
 
-    trainer = Trainer(step, optimizer, scheduler, policy.trainable_parameters(), lambda: trainable_tensors(policy),
-                      lambda tensors: load_trainable_tensors(policy, tensors), run_eval if has_val else None,
-                      state=lambda number: {"beta": beta}, load_state=load_state)
+    def tensors() -> dict[str, torch.Tensor]:
+        return {**trainable_tensors(policy), **(runner.checkpoint_tensors() if runner is not None else {})}
+
+    def load_tensors(saved: dict[str, torch.Tensor]) -> None:
+        load_trainable_tensors(policy, runner.restore(saved) if runner is not None else saved)
+
+    trainer = Trainer(step, optimizer, scheduler, policy.trainable_parameters(), tensors, load_tensors,
+                      run_eval if has_val else None, state=lambda number: {"beta": beta}, load_state=load_state)
     result = run_loop(trainer, Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps, evaluate_first=True),
                       runtime)
     return summarize(result.history, result.evals), result.history, result.evals
+
+
+def async_stream_steps(policy, optimizer, scheduler, sources, data, cfg: PPOConfig, seed: int, max_tokens: int,
+                       source, beta_now):
+    """(runner, run_step) of stream mode with asynchronous rollouts: step s takes the rollout the actors
+    generated with version max(0, s - 1 - K), learns from it off-policy (pi_old = the behaviour policy), then
+    pushes the new version (icrl_core/async_rollouts.py). The first step starts the pipeline from the weights it
+    finds (fresh, or restored with the checkpoint's older versions)."""
+    import time
+
+    from icrl_core import stream_rl
+    from icrl_core.async_rollouts import AsyncStreams, rollout_lag
+
+    if source is None:
+        raise ValueError("ppo.async_rollouts.enabled needs a rollout source (tasks/async_rollouts.RolloutPool)")
+    options = cfg.async_rollouts
+
+    def tasks_of(step: int):
+        return stream_rl.stream_tasks(sources, data, cfg, seed, step, shard(range(cfg.stream.groups)), "train")
+
+    runner = AsyncStreams(source, tasks_of, options.max_async_level, cfg.max_steps)
+
+    def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
+        if not runner.started:
+            runner.start(step - 1, policy.trainable_state_dict())
+        started = time.perf_counter()
+        rollout = runner.take(step)
+        lag = rollout_lag(step, rollout.version)
+        metrics = stream_rl.learn_from_streams(
+            policy, optimizer, scheduler, rollout.streams, cfg, beta_now(), generator, started,
+            time.perf_counter() - started,
+            {"async_version": float(rollout.version), "async_lag": float(lag),
+             "actor_rollout_seconds": rollout.seconds})
+        runner.updated(step, policy.trainable_state_dict())
+        return metrics
+
+    return runner, run_step

@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.md", ROOT / "docs" / "BENCHMARKS.md",
-             ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md"]
+             ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md",
+             ROOT / "docs" / "ASYNC.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
@@ -145,6 +146,32 @@ def bench_grpo_vs_trl() -> str:
             f"{'met' if ratio['goal_met'] else 'missed'}).\n")
 
 
+def bench_async_rollouts() -> str:
+    """Asynchronous vs synchronous stream rollouts on the 2 CPUs (bench/async_rollouts.py); a one-line note while
+    bench/results/async_rollouts.json has not been written."""
+    if not (ROOT / "bench/results/async_rollouts.json").exists():
+        return ("Not measured yet: run `.venv/bin/python bench/async_rollouts.py` (writes "
+                "`bench/results/async_rollouts.json`, then `python scripts/results_tables.py` fills this table).\n")
+    data = _json("bench/results/async_rollouts.json")
+    rows = []
+    for side in ("sync", "async"):
+        r = data["results"][side]
+        load = f"{r['load_average_before'][0]:.1f} -> {r['load_average_after'][0]:.1f}"
+        rows.append([side, str(len(r["iterations"])), f"{r['wall_seconds']:.0f}", f"{r['loop_seconds']:.0f}",
+                     f"{r['trainer_wait_seconds']:.0f}", f"{r['update_seconds']:.0f}",
+                     "-" if r["actor_rollout_seconds"] is None else f"{r['actor_rollout_seconds']:.0f}",
+                     _fmt(r["mean_reward"]), _fmt(r["final_reward"]), load])
+    ratio, settings = data["ratio"], data["settings"]
+    return (_table(["side", "iterations", "wall s", "loop s", "rollout wait s", "update s", "actor rollout s",
+                    "mean reward", "final reward", "load avg"], rows)
+            + f"\nsync / async: wall x{ratio['wall_sync_over_async']:.2f}, loop x{ratio['loop_sync_over_async']:.2f}; "
+            f"the actor's rollouts took x{ratio['rollout_actor_over_sync']:.2f} the synchronous rollouts' time and "
+            f"the trainer's updates x{ratio['update_async_over_sync']:.2f} the synchronous updates'. "
+            f"{settings['model']} {settings['dtype']}, {settings['objective']}, {settings['groups']} groups x "
+            f"{settings['group_size']} streams x {settings['steps']} steps per iteration, max_async_level "
+            f"{settings['level']}, {settings['actors']} actor; measured {data['environment']['timestamp'][:10]}.\n")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The demo (docs/results/demo.json: what `icrl demo` wrote to metrics/demo.json on a measured run)
 
@@ -255,6 +282,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "skill-feedback-probe": skill_feedback_probe,
     "bench-eval-speed": bench_eval_speed,
     "bench-ppo-vs-trl": bench_ppo_vs_trl,
+    "bench-async-rollouts": bench_async_rollouts,
 }
 
 

@@ -14,6 +14,7 @@ its last checkpoint (every ppo.save_steps iterations) and ends with the same met
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from tasks.settings import PipelineConfig
@@ -91,10 +92,17 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     if cfg.value_head and not (init is not None and (Path(init) / VALUE_HEAD).exists()):
         zero_value_head(policy)  # a fresh critic (one trained by an earlier PPO run is kept)
     scorer = code_scorer(config) if cfg.mode == "code" else load_scorer(config, cfg.reward, cfg.reward_model_path)
-    with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("mean_reward", "kl", "val_accuracy")) as progress:
-        summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress,
-                                            max_episode_tokens(config, policy), scorer, stream_sources,
-                                            config.code)
+    max_tokens = max_episode_tokens(config, policy)
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if cfg.async_rollouts.enabled:  # stream rollouts in Ray actors (docs/ASYNC.md)
+            from tasks.async_rollouts import RolloutPool
+
+            pool = stack.enter_context(RolloutPool(config, policy.adapter, max_tokens))
+        progress = stack.enter_context(ProgressRuntime(runtime, cfg.max_steps, STAGE,
+                                                       ("mean_reward", "kl", "val_accuracy")))
+        summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress, max_tokens, scorer,
+                                            stream_sources, config.code, pool)
     if runtime.rank == 0:
         write_outputs(Path(cfg.output_dir), policy, history, evals)
     return {**summary, "world_size": runtime.world_size}

@@ -183,7 +183,10 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoin
     # The cluster's GPUs, not the driver's: a Prefect worker without a GPU drives GPU workers.
     use_gpu, backend = ray_devices(config.ray.use_gpu, config.model.device, ray.cluster_resources().get("GPU", 0))
     workers = config.ray.num_workers
-    cpus_per_worker = max(1, config.ray.num_cpus // workers) if not config.ray.address else 1
+    # a local job leaves the CPUs of the PPO stage's rollout actors (ppo.async_rollouts) free of its workers
+    rollouts = config.ppo.async_rollouts
+    actor_cpus = workers * rollouts.actors * rollouts.actor_cpus if stage == "ppo" and rollouts.enabled else 0
+    cpus_per_worker = max(1, int(config.ray.num_cpus - actor_cpus) // workers) if not config.ray.address else 1
     import sys
 
     module_file = Path(sys.modules[train_worker.__module__].__file__).resolve()

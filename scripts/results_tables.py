@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.md", ROOT / "docs" / "BENCHMARKS.md",
              ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md",
-             ROOT / "docs" / "ASYNC.md"]
+             ROOT / "docs" / "ASYNC.md",
+             ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
@@ -271,7 +272,27 @@ def stream_rl_synthetic() -> str:
     return text + "\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
 
 
+def stream_rl_gate() -> str:
+    """Gate 1 of experiments/icrl_stream_rl: the feedback probe of each setting's RL adapter beside the bootstrap."""
+    results = _json("experiments/icrl_stream_rl/results.json")
+    contexts = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
+    boot = results["bootstrap_probe"]
+    rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
+    for name, s in sorted(results["settings"].items()):
+        v = s["validation_training_tasks"]
+        rows.append([f"setting {name} ({s['iterations']} iterations)", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
+                     _signed(s["gate1_gap"]), "passed" if s["gate1_passed"] else "failed",
+                     f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
+                     f" -> {v['val_switch_after_wrong'][1]:.2f}"])
+    return (_table([f"p(`{boot['target']}`) on {boot['task']}", "no context", "1 attempt marked wrong",
+                    "1 marked right", "4 marked wrong", "4 marked right", "right - wrong (n=1)",
+                    f"gate 1 (>= {results['gate1_margin']})", "validation streams of the training tasks: reward"],
+                   rows)
+            + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}.\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "stream-rl-gate": stream_rl_gate,
     "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,
     "demo-summary": demo_summary,

@@ -1,0 +1,63 @@
+"""Collect the pre-registered trec_coarse runs into results.json beside this file (gate 1 per setting).
+
+    .venv/bin/python experiments/icrl_stream_rl/collect.py \
+        --bootstrap-probe runs/gate1/probe-boot.json \
+        --setting 1=artifacts/ppo:runs/gate1/probe-rl.json \
+        --setting 2=artifacts/ppo_distill:runs/gate1-s2/probe-rl.json
+
+Per setting: the feedback probe of its RL adapter (p(target) per context), the training run's validation stream
+statistics on the training tasks at iteration 0 and after the last one, and the gate-1 decision
+(p(target | 1 wrong) at least 0.2 below p(target | 1 right)); the bootstrap adapter's probe beside them.
+A setting already in results.json and not given again is kept."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GATE_MARGIN = 0.2
+CONTEXTS = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
+
+
+def probe_row(path: Path) -> dict:
+    probe = json.loads(path.read_text())
+    row = {c: round(probe["conditions"][c]["p_target"], 4) for c in CONTEXTS}
+    return {"target": probe["target"], "task": probe["task"], "queries": probe["queries"], "seed": probe["seed"],
+            "dtype": probe["dtype"], "p_target": row, "p_gold": {c: round(probe["conditions"][c]["p_gold"], 4)
+                                                                    for c in CONTEXTS}}
+
+
+def setting_row(run_dir: Path, probe: Path) -> dict:
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    evals = json.loads((run_dir / "evals.json").read_text())
+    first, last = evals[0], evals[-1]
+    row = probe_row(probe)
+    gap = row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"]
+    return {"run": str(run_dir), "iterations": metrics["iterations"],
+            "validation_training_tasks": {key: [first[key], last[key]] for key in
+                                          ("val_reward", "val_switch_after_wrong")},
+            "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bootstrap-probe", type=Path)
+    parser.add_argument("--setting", action="append", default=[], help="NAME=RUN_DIR:PROBE_JSON")
+    args = parser.parse_args()
+    out = HERE / "results.json"
+    results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
+    if args.bootstrap_probe:
+        results["bootstrap_probe"] = probe_row(args.bootstrap_probe)
+    for item in args.setting:
+        name, paths = item.split("=", 1)
+        run_dir, probe = paths.split(":", 1)
+        results["settings"][name] = setting_row(Path(run_dir), Path(probe))
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    for name, s in sorted(results["settings"].items()):
+        print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> gate 1 {'passed' if s['gate1_passed'] else 'failed'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -189,8 +189,9 @@ def demo_summary() -> str:
                 "prints each stage's headline numbers, then base vs trained in-context RL accuracy on the held-out "
                 "rule and the general-ability check, and writes them to `metrics/demo.json`.\n")
     return ("```\n" + "\n".join(demo["printed"]) + "\n```\n\n"
-            + f"Measured {demo['measured']} at `{demo['commit'][:7]}` on {demo['machine']}; "
-            "`model.dtype` is pinned to float32, so every CPU prints the same numbers.\n")
+            + f"Measured {demo['measured']} at `{demo['commit'][:7]}` on {demo['machine']}: the pipeline took "
+            f"{demo['wall_minutes']:.1f} minutes ({demo['load']}). `model.dtype` is pinned to float32, so a CPU with "
+            "bf16 support no longer runs another dtype.\n")
 
 
 # --------------------------------------------------------------------------------------------------------------

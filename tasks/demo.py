@@ -26,6 +26,8 @@ def demo_headline(config: PipelineConfig, evaluation: dict, promotion: dict) -> 
         "version": promotion.get("version"), "alias": promotion.get("alias"),
         "eligible": evaluation.get("eligible"),
     }
+    if "start_final_test_accuracy" in evaluation:  # evaluate.start_adapter: the adapter RL started from
+        headline.update(start=evaluation["start_final_test_accuracy"], start_adapter=evaluation["start_adapter"])
     if "forgetting_base_accuracy" in evaluation:
         headline.update(general_questions=config.evaluate.forgetting_questions,
                         base_general=evaluation["forgetting_base_accuracy"],
@@ -42,6 +44,10 @@ def summary_lines(headline: dict, registered_model: str) -> list[str]:
              f"{headline['test_queries']} queries after step {headline['step']} (seed {headline['seed']}, "
              f"{headline['dtype']}): base {headline['base']:.3f} -> trained {headline['trained']:.3f} "
              f"({headline['gain']:+.3f})."]
+    if "start" in headline:  # which stage carries the gain: the supervised bootstrap or the RL after it
+        rl_gain = headline["trained"] - headline["start"]
+        lines.append(f"The adapter RL started from ({headline['start_adapter']}) scores {headline['start']:.3f}: "
+                     f"the RL stage {'added' if rl_gain > 0 else 'did not add'} to it ({rl_gain:+.3f}).")
     kept = True
     if "base_general" in headline:
         kept = headline["general_drop"] <= headline["max_forgetting"]

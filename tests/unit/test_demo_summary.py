@@ -39,6 +39,16 @@ def test_a_gain_with_ability_kept_is_said_and_written(tmp_path):
     assert written["printed"] == lines and written["headline"]["gain"] == pytest.approx(0.15)
 
 
+def test_the_start_adapter_says_which_stage_carries_the_gain():
+    headline = {"task": "keyword_map", "strategy": "explorative", "step": 79, "test_queries": 40, "seed": 100,
+                "dtype": "float32", "base": 0.175, "trained": 0.525, "gain": 0.35, "start": 0.55,
+                "start_adapter": "artifacts/bootstrap/adapter"}
+    lines = summary_lines(headline, "icrl-policy")
+    assert "(artifacts/bootstrap/adapter) scores 0.550: the RL stage did not add to it (-0.025)" in lines[1]
+    lines = summary_lines({**headline, "start": 0.5}, "icrl-policy")
+    assert "the RL stage added to it (+0.025)" in lines[1]
+
+
 def test_no_gain_is_said_plainly():
     headline = {"task": "keyword_map", "strategy": "explorative", "step": 79, "test_queries": 40, "seed": 100,
                 "dtype": "float32", "base": 0.3, "trained": 0.25, "gain": -0.05}

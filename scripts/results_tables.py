@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.md", ROOT / "docs" / "BENCHMARKS.md",
              ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md",
              ROOT / "docs" / "ASYNC.md",
-             ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md"]
+             ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md", ROOT / "experiments" / "code_rl" / "README.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
@@ -292,7 +292,37 @@ def stream_rl_gate() -> str:
             + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}.\n")
 
 
+def code_rl() -> str:
+    """The pre-registered short GRPO and DPO runs on the code tasks (experiments/code_rl/results.json)."""
+    path = ROOT / "experiments/code_rl/results.json"
+    if not path.exists():
+        return "Not run yet: `experiments/code_rl/run.sh`, then `experiments/code_rl/collect.py`.\n"
+    results = _json("experiments/code_rl/results.json")
+    rows = []
+    for name, found in results["evaluations"].items():
+        if found is None:
+            continue
+        greedy, sampled = found["greedy"], found["sampled"]
+        training = results["trainings"].get(name) or {}
+        components = training.get("components", {})
+        passed = components.get("task_accuracy") or components.get("reward/pass_fraction") or {}
+        moved = (f"{passed['first_3']:.2f} -> {passed['last_3']:.2f}"
+                 if passed.get("first_3") is not None and passed.get("last_3") is not None else "")
+        wall = training.get("wall_seconds")
+        decision = results["decisions"].get(name)
+        rows.append([name, _fmt(greedy["overall"]["pass_at_1"]),
+                     " / ".join(_fmt(greedy["levels"][f"level_{n}"]["pass_at_1"]) for n in (1, 2, 3)),
+                     _fmt(sampled["overall"]["pass_at_1"]), _fmt(sampled["overall"].get("pass_at_4")), moved,
+                     "" if wall is None else f"{wall / 60:.0f}",
+                     "" if decision is None else ("improves" if decision["improves_held_out_pass_at_1"]
+                                                  else "not shown")])
+    return _table(["model", "greedy pass@1 (66 held-out tasks)", "by level 1 / 2 / 3", "sampled pass@1 (T 0.8)",
+                   "pass@4", "training pass rate, first 3 -> last 3 iterations", "training min",
+                   "pre-registered decision (> +0.06 both)"], rows)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
     "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,

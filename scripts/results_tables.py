@@ -189,9 +189,8 @@ def demo_summary() -> str:
                 "prints each stage's headline numbers, then base vs trained in-context RL accuracy on the held-out "
                 "rule and the general-ability check, and writes them to `metrics/demo.json`.\n")
     return ("```\n" + "\n".join(demo["printed"]) + "\n```\n\n"
-            + f"Measured {demo['measured']} at `{demo['commit'][:7]}` on {demo['machine']}: the pipeline took "
-            f"{demo['wall_minutes']:.1f} minutes ({demo['load']}). `model.dtype` is pinned to float32, so a CPU with "
-            "bf16 support no longer runs another dtype.\n")
+            + f"Measured {demo['measured']} at `{demo['commit'][:7]}`, {demo['machine']}: "
+            f"{demo['wall_minutes']:.1f} minutes ({demo['load']}); `model.dtype` pinned to float32.\n")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -228,6 +227,18 @@ def readme_headline() -> str:
         rows.append([f"demo: {demo['task']}, step {demo['step']}", _fmt(demo["base"]), _fmt(demo["trained"]),
                      f"{demo['trained'] - demo['base']:+.3f}; general-ability check {_fmt(demo['base_general'])} -> "
                      f"{_fmt(demo['trained_general'])}"])
+    code_path = ROOT / "experiments/code_rl/results.json"
+    if code_path.exists():
+        code = _json("experiments/code_rl/results.json")
+        base_code = code["evaluations"]["base"]["greedy"]["overall"]["pass_at_1"]
+        for name, training in code["trainings"].items():
+            found = code["evaluations"].get(name)
+            if not (training and found):
+                continue
+            rows.append([f"[code tasks](experiments/code_rl/README.md), held-out pass@1: "
+                         f"{name.split('-')[0].upper()}, {training['iterations']} steps, seed {name.split('-')[1]}",
+                         _fmt(base_code), _fmt(found["greedy"]["overall"]["pass_at_1"]),
+                         "improves" if code["decisions"][name]["improves_held_out_pass_at_1"] else "within noise"])
     speed_line = (f"Speed: exact KV-cache reuse runs explorative in-context RL at {speed['explorative']['speedup_steps_per_s']:.2f}x "
                   f"and naive at {speed['naive']['speedup_steps_per_s']:.2f}x the steps/s of recomputing every prompt "
                   f"(identical predictions); one policy-optimisation iteration runs at "

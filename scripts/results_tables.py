@@ -245,6 +245,11 @@ def readme_headline() -> str:
                   f"{trl['tokens_per_second_icrl_over_trl']:.2f}x TRL's tokens/s with {trl['peak_rss_icrl_over_trl']:.2f}x "
                   f"its peak memory (PPO), and one GRPO iteration at {grpo['tokens_per_second_icrl_over_trl']:.2f}x "
                   f"TRL GRPOTrainer's tokens/s with {grpo['peak_rss_icrl_over_trl']:.2f}x its peak memory.")
+    async_path = ROOT / "bench/results/async_rollouts.json"
+    if async_path.exists():
+        ratio = _json("bench/results/async_rollouts.json")["ratio"]
+        speed_line += (f" Asynchronous stream rollouts (Ray actors): x{ratio['wall_sync_over_async']:.2f} the "
+                       "synchronous wall time on the 2 cores ([docs/ASYNC.md](docs/ASYNC.md)).")
     return _table(["measure", "base SmolLM2-135M", "trained", "note"], rows) + "\n" + speed_line + "\n"
 
 

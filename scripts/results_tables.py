@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.md", ROOT / "docs" / "BENCHMARKS.md",
              ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md",
              ROOT / "docs" / "ASYNC.md",
-             ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md", ROOT / "experiments" / "code_rl" / "README.md"]
+             ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md", ROOT / "experiments" / "code_rl" / "README.md",
+             ROOT / "docs" / "SANDBOX.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
@@ -337,7 +338,20 @@ def code_rl() -> str:
                    "pre-registered decision (> +0.06 both)"], rows)
 
 
+def bench_sandbox() -> str:
+    """Sandboxed programs per second vs a bare subprocess (bench/sandbox.py)."""
+    data = _json("bench/results/sandbox.json")
+    rows = [[r["variant"], str(r["programs"]), f"{r['programs_per_s']:.1f}", f"{r['tests_per_s']:.1f}",
+             "1.00x" if r["variant"] == "bare_subprocess" else f"{r['share_of_bare_throughput']:.2f}x"]
+            for r in data["rows"]]
+    load = f"{data['load_average_before'][0]:.1f} -> {data['load_average_after'][0]:.1f}"
+    return (_table(["variant", "programs", "programs/s", "test executions/s", "vs bare subprocess"], rows)
+            + f"\n{data['workers']} workers, {data['tests_per_program']:.0f} tests per program, goal "
+            f"{data['goal_programs_per_s']} programs/s; load average {load}.\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "bench-sandbox": bench_sandbox,
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
     "stream-rl-synthetic": stream_rl_synthetic,

@@ -58,6 +58,26 @@ class QSampling(Section):
         "P(reward >= success_threshold).")] = "expected_reward"
 
 
+class CriticDataConfig(Section):
+    """The critic_data stage: trajectories sampled from the reference policy (`model`, with model.init_adapter if
+    set) for the first query of built episodes (data.output_dir: the train split for training prompts, the val
+    split for held-out ones), each rewarded by exact match with the gold answer (the task reward of the rollouts)."""
+
+    prompts: Annotated[int, Field(ge=1, le=100000, description="Training prompts (the first query of the first "
+                                  "N train episodes).")] = 48
+    val_prompts: Annotated[int, Field(ge=0, le=100000, description="Held-out prompts (from the val split): the "
+                                      "critic's AUC, calibration and best-of-n are measured on them.")] = 16
+    samples_per_prompt: Annotated[int, Field(ge=2, le=256, description="Trajectories sampled per prompt.")] = 8
+    max_new_tokens: Annotated[int, Field(ge=1, le=1024, description="Longest trajectory, in tokens (a cut one "
+                                         "is kept, marked unfinished).")] = 16
+    temperature: Annotated[float, Field(gt=0, le=10, description="Sampling temperature of the reference "
+                                        "policy.")] = 1.0
+    batch_size: Annotated[int, Field(ge=1, le=1024, description="Trajectories generated together (one KV "
+                                     "cache).")] = 16
+    output_dir: Annotated[Path, Field(description="Where trajectories.parquet (one row per trajectory) and "
+                                      "metrics.json go.")] = Path("artifacts/critic_data")
+
+
 class CriticConfig(OptimFields):
     """The in-context critic (docs/CRITIC.md): the policy backbone with LoRA and R x L added joint-bin tokens,
     trained on packed contexts (a prompt, `context_trajectories` sampled answers each followed by its feedback
@@ -74,9 +94,15 @@ class CriticConfig(OptimFields):
                                          "the N-th of a packed context on (1-based): each has at least N - 1 "
                                          "earlier attempts and their feedback to read.")] = 2
     feedback_template: Annotated[str, Field(min_length=1, description="The feedback line after each earlier "
-                                            "trajectory ({reward}: its reward, {length}: its tokens).")] = (
-        "\nReward: {reward:g} / Length: {length}\n")
+                                            "trajectory, written on a line of its own ({reward}: its reward, "
+                                            "{length}: its tokens).")] = "Reward: {reward:g} / Length: {length}"
     q: QSampling = Field(default_factory=QSampling, description="Q-labelling and Q-weighted sampling.")
+    data: CriticDataConfig = Field(default_factory=CriticDataConfig, description="The critic_data stage.")
+    in_pipeline: Annotated[bool, Field(description="Run the critic_data and critic stages in `icrl pipeline` "
+                                       "(off: they run on demand, `icrl stage critic_data` / `icrl stage critic` "
+                                       "or `dvc repro critic`).")] = False
+    html_trajectories: Annotated[int, Field(ge=0, le=1000, description="Held-out trajectories shown in the HTML "
+                                            "view, each token coloured by its Q-value.")] = 8
     max_eval_contexts: Annotated[int | None, Field(ge=1, description="Validation contexts used at each "
                                                    "evaluation (empty = all).")] = 64
     output_dir: Annotated[Path, Field(description="Stage output folder (critic weights, metrics, the HTML "

@@ -135,7 +135,7 @@ def test_supervision_mask_starts_at_the_nth_trajectory():
         return [7, 7]  # every feedback line is two tokens here
 
     y1, y2, y3 = Trajectory((10, 11), 1.0), Trajectory((20,), 0.0), Trajectory((30, 31, 32), 1.0)
-    packed = pack_context([1, 2], [y1, y2], y3, BINS, encode, "\nReward: {reward:g} / Length: {length}\n",
+    packed = pack_context([1, 2], [y1, y2], y3, BINS, encode, "Reward: {reward:g} / Length: {length}",
                           supervise_from=2)
     assert packed.input_ids == [1, 2, 10, 11, 7, 7, 20, 7, 7, 30, 31, 32]
     assert written == ["\nReward: 1 / Length: 2\n", "\nReward: 0 / Length: 1\n"]
@@ -382,3 +382,13 @@ def test_html_view_is_self_contained_and_escapes_tokens():
     assert "background:#ff6e6e" in page and "background:#5aff78" in page  # the ends of the scale
     with pytest.raises(ValueError):
         render_q_html("x", [{"pieces": ["a"], "q": [0.1, 0.2]}])
+
+
+def test_the_pipeline_runs_the_critic_stages_only_when_asked():
+    from tasks.stages import CRITIC_STAGES, load_stages, pipeline_stages
+    from tests.conftest import ROOT
+
+    assert set(CRITIC_STAGES) <= set(load_stages(ROOT))  # both are stages of dvc.yaml
+    assert not set(CRITIC_STAGES) & set(pipeline_stages("ppo", ROOT))
+    with_critic = pipeline_stages("ppo", ROOT, critic=True)
+    assert with_critic.index("build_dataset") < with_critic.index("critic_data") < with_critic.index("critic")

@@ -263,6 +263,7 @@ class PromptGroup:
     prompt_ids: tuple[int, ...]
     trajectories: tuple[Trajectory, ...]
     prompt_id: str = ""
+    gold: str = ""  # the gold answer (exact match gives the reward)
 
 
 @dataclass
@@ -399,12 +400,12 @@ def read_trajectory_groups(path) -> dict[str, list[PromptGroup]]:
     groups: dict[tuple[str, str], tuple[tuple[int, ...], list[tuple[int, Trajectory]]]] = {}
     for row in table.to_pylist():
         key = (row["split"], row["prompt_id"])
-        entry = groups.setdefault(key, (tuple(row["prompt_ids"]), []))
-        entry[1].append((row["sample"], Trajectory(tuple(row["trajectory_ids"]), float(row["reward"]))))
+        entry = groups.setdefault(key, (tuple(row["prompt_ids"]), row["gold"], []))
+        entry[2].append((row["sample"], Trajectory(tuple(row["trajectory_ids"]), float(row["reward"]))))
     out: dict[str, list[PromptGroup]] = {}
-    for (split, prompt_id), (prompt_ids, samples) in groups.items():
+    for (split, prompt_id), (prompt_ids, gold, samples) in groups.items():
         trajectories = tuple(t for _, t in sorted(samples, key=lambda item: item[0]))
-        out.setdefault(split, []).append(PromptGroup(prompt_ids, trajectories, prompt_id))
+        out.setdefault(split, []).append(PromptGroup(prompt_ids, trajectories, prompt_id, gold))
     return out
 
 
@@ -739,6 +740,8 @@ def q_weighted_decode(reference, critic, tokens: CriticTokens, prompt_ids: Seque
         at = torch.zeros_like(state, dtype=torch.bool)
         at[0, -1] = True
         ref_logits, _, _ = reference.forward(state, torch.ones_like(state), logits_at=at)  # (1, V)
+        # the critic's own tokens are outputs of the critic, never actions (pi_ref may be the critic's base)
+        ref_logits[:, [i for i in tokens.ids if i < ref_logits.shape[-1]]] = float("-inf")
         candidates, mask = min_p_candidates(ref_logits, q_cfg.min_p, q_cfg.max_candidates)
         candidates, mask = candidates[mask].unsqueeze(0), mask[mask].unsqueeze(0)  # (1, C) real ones only
         ref_logprobs = torch.log_softmax(ref_logits.float(), dim=-1).gather(-1, candidates)
@@ -758,6 +761,55 @@ def q_weighted_decode(reference, critic, tokens: CriticTokens, prompt_ids: Seque
         if token in stop_ids:
             break
     return steps
+
+
+class ReferenceView:
+    """A policy seen through `policy.reference()` (adapters off) for every forward pass: pi_ref for
+    `q_weighted_decode` when the critic's own base weights are the reference, with no second model in memory."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def eval(self):
+        self.policy.eval()
+        return self
+
+    def forward(self, *args, **kwargs):
+        with self.policy.reference():
+            return self.policy.forward(*args, **kwargs)
+
+
+def q_sampling_metrics(critic, tokens: CriticTokens, groups: Sequence[PromptGroup], cfg: CriticConfig,
+                       encode: Callable[[str], Sequence[int]], answer_of: Callable[[Sequence[int]], str],
+                       max_new_tokens: int, stop_ids: Sequence[int], seed: int) -> dict[str, float]:
+    """Q-weighted vs plain sampling at the same number of samples on held-out prompts: `cfg.q.eval_samples`
+    trajectories of pi_new (`q_weighted_decode`, pi_ref = the critic's base weights, the critic reading the
+    prompt's first K - 1 trajectories and their feedback) against as many of the prompt's plain samples (the
+    candidates of `candidate_contexts`), both rewarded by exact match of the answer (`answer_of`: token ids ->
+    answer text) with the gold answer. Prompts with fewer plain candidates than samples are skipped."""
+    from icrl_core.rollout import exact_match
+
+    n = cfg.q.eval_samples
+    q_rewards, plain_rewards, prompts = [], [], 0
+    reference = ReferenceView(critic)
+    for index, group in enumerate(groups):
+        earlier = list(group.trajectories[: cfg.context_trajectories - 1])
+        plain = list(group.trajectories[cfg.context_trajectories - 1:])[:n]
+        if len(plain) < n or not group.gold:
+            continue
+        prefix = pack_context(group.prompt_ids, earlier, [], tokens.bins, encode, cfg.feedback_template,
+                              cfg.supervise_from).input_ids
+        generator = torch.Generator().manual_seed(seed * 100_003 + index)
+        for _ in range(n):
+            steps = q_weighted_decode(reference, critic, tokens, group.prompt_ids, prefix, cfg.q, max_new_tokens,
+                                      stop_ids, generator=generator)
+            q_rewards.append(exact_match(answer_of([s.token for s in steps]), group.gold))
+        plain_rewards += [t.reward for t in plain]
+        prompts += 1
+    nan = float("nan")
+    return {"q_weighted_reward": float(np.mean(q_rewards)) if q_rewards else nan,
+            "plain_sampling_reward": float(np.mean(plain_rewards)) if plain_rewards else nan,
+            "q_sampling_prompts": float(prompts), "q_samples_per_prompt": float(n)}
 
 
 def q_distillation_loss(policy, prompt_ids: Sequence[int], steps: Sequence[QStep]) -> torch.Tensor:

@@ -56,6 +56,10 @@ class QSampling(Section):
     value: Annotated[Literal["expected_reward", "success_probability"], Field(
         description="What Q(s, a) is read as from the critic's joint bins: the expected reward, or "
         "P(reward >= success_threshold).")] = "expected_reward"
+    eval_samples: Annotated[int, Field(ge=0, le=64, description="At the end of the critic stage: this many "
+                                       "Q-weighted samples per held-out prompt (pi_ref = the base model), their "
+                                       "mean reward against as many plain samples of critic_data (0: skipped; each "
+                                       "token costs a reference pass and a critic pass over its candidates).")] = 0
 
 
 class CriticDataConfig(Section):

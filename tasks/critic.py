@@ -16,7 +16,7 @@ from tasks.settings import PipelineConfig
 
 STAGE = "critic"
 HEADLINE = ("val_auc", "val_auc_low", "val_auc_high", "val_auc_before", "val_ece", "best_of_n_reward",
-            "random_of_n_reward", "consistency_reward")
+            "random_of_n_reward", "consistency_reward", "q_weighted_reward", "plain_sampling_reward")
 
 
 def model_dir(config: PipelineConfig) -> Path:
@@ -64,7 +64,15 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     import numpy as np
     import torch
 
-    from icrl_core.critic import JointBins, new_critic, sample_context, save_critic, selection_metrics, train_critic
+    from icrl_core.critic import (
+        JointBins,
+        new_critic,
+        q_sampling_metrics,
+        sample_context,
+        save_critic,
+        selection_metrics,
+        train_critic,
+    )
     from icrl_core.io import atomic_write_json, atomic_write_text
     from icrl_core.supervised import finite
     from tasks.runtime import ProgressRuntime
@@ -92,6 +100,14 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         with torch.no_grad():
             selection = selection_metrics(critic, tokens, val, cfg, encode, decode)
         metrics.update(selection)
+        if cfg.q.eval_samples:
+            eot = critic.tokens.end_of_turn_id
+
+            def answer_of(ids) -> str:  # as the rollout reads an answer: without its end-of-turn, stripped
+                return decode(ids[:-1] if ids and ids[-1] == eot else ids).strip()
+
+            metrics.update(q_sampling_metrics(critic, tokens, val, cfg, encode, answer_of, cfg.data.max_new_tokens,
+                                              (eot, critic.tokenizer.eos_token_id), config.seed))
         save_critic(model_dir(config), critic, tokens, {"metrics": finite(metrics), "torch": torch.__version__})
         atomic_write_json(out / "selection.json", finite(selection))
         atomic_write_text(out / "q_view.html", q_view(critic, tokens, val, cfg, encode, decode))

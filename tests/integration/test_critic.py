@@ -23,7 +23,8 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     config = load_config(None, [a for a in stage_args(
         "critic.data={prompts: 6, val_prompts: 4, samples_per_prompt: 5, max_new_tokens: 4, batch_size: 10}",
         "critic.context_trajectories=3", "critic.supervise_from=2", "critic.max_steps=3", "critic.eval_steps=3",
-        "critic.save_steps=2", "critic.batch_size=3", "critic.html_trajectories=2") if a != "--set"], environ={})
+        "critic.save_steps=2", "critic.batch_size=3", "critic.html_trajectories=2",
+        "critic.q={eval_samples: 2, max_candidates: 3}") if a != "--set"], environ={})
     build_dataset.run(config)
     data_metrics = critic_data.run(config)
     table = pq.read_table(in_tmp / "artifacts" / "critic_data" / "trajectories.parquet").to_pylist()
@@ -42,8 +43,11 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     assert [h["step"] for h in history] == [1, 2, 3]
     assert metrics["step"] == 3 and "val_loss" in metrics and metrics["selection_prompts"] == 4
     assert metrics["candidates_per_prompt"] == 5 - 2  # K - 1 = 2 trajectories are the context
+    # Q-weighted sampling: 2 samples per held-out prompt against the first 2 plain candidates
+    assert metrics["q_sampling_prompts"] == 4 and 0 <= metrics["q_weighted_reward"] <= 1
+    assert 0 <= metrics["plain_sampling_reward"] <= 1
     headline = json.loads((in_tmp / "metrics" / "critic.json").read_text())
-    assert {"best_of_n_reward", "random_of_n_reward", "consistency_reward"} <= set(headline)
+    assert {"best_of_n_reward", "random_of_n_reward", "consistency_reward", "q_weighted_reward"} <= set(headline)
     page = (out / "q_view.html").read_text()
     assert page.count('<div class="trajectory">') == 2 and 'title="Q = ' in page
     assert not re.search(r"<script|<link|src=|https?://", page)

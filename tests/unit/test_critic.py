@@ -340,6 +340,24 @@ def test_q_labelling_and_distillation_on_the_tiny_model(tiny):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in critic.trainable_parameters())
 
 
+def test_critic_tokens_are_never_candidate_actions(untrained_critic):
+    critic, tokens = untrained_critic
+
+    class FavoursCriticTokens:  # a reference whose most probable tokens are the critic's own
+        def eval(self):
+            return self
+
+        def forward(self, ids, attention, logits_at):
+            logits = torch.zeros(1, tokens.ids[-1] + 1)
+            logits[0, list(tokens.ids)] = 10.0
+            return logits, None, None
+
+    steps = q_weighted_decode(FavoursCriticTokens(), critic, tokens, [1, 2], [1, 2],
+                              QSampling(min_p=0.0, max_candidates=4), 2, generator=torch.Generator().manual_seed(0))
+    assert steps and all(not set(s.candidate_ids) & set(tokens.ids) for s in steps)
+    assert all(math.isfinite(v) for s in steps for v in s.new_logprobs)
+
+
 def test_evaluate_critic_reads_each_supervised_trajectory_once(untrained_critic):
     critic, tokens = untrained_critic
     cfg = CriticConfig(context_trajectories=3, supervise_from=2)

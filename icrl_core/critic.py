@@ -833,6 +833,136 @@ def q_distillation_loss(policy, prompt_ids: Sequence[int], steps: Sequence[QStep
     return reverse_kl_loss(policy_logits, target.to(logits.device), mask.to(logits.device)).mean()
 
 
+@torch.no_grad()
+def sample_answers(policy, prompt_ids: Sequence[int], n: int, max_new_tokens: int, stop_ids: Sequence[int],
+                   generator: torch.Generator | None, temperature: float = 1.0) -> list[list[int]]:
+    """n answers to one prompt sampled from the policy at `temperature` in one KV cache (rollout.BatchedCache);
+    each ends at its first stop token or after max_new_tokens."""
+    from icrl_core.rollout import BatchedCache, Sampling, mixture_sample
+
+    policy.eval()
+    cache = BatchedCache(policy, n)
+    logits = cache.feed([list(prompt_ids)] * n)
+    answers: list[list[int]] = [[] for _ in range(n)]
+    live = list(range(n))
+    for _ in range(max_new_tokens):
+        drawn, _, _ = mixture_sample(logits, Sampling(temperature=temperature), generator)
+        for row, token in zip(live, drawn.tolist()):
+            answers[row].append(int(token))
+        live = [row for row in live if answers[row][-1] not in stop_ids]
+        if not live:
+            break
+        logits = cache.feed([[answers[row][-1]] if row in live else [] for row in range(n)])
+    return answers
+
+
+def rft_loss(policy, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Rejection fine-tuning: L = token mean over the answers of -log pi_theta(y_t | x, y_<t), one padded batch."""
+    from icrl_core.supervised import masked_token_cross_entropy
+
+    sequences = [list(x) + list(y) for x, y in zip(prompt_ids, answers, strict=True)]
+    ids, attention = pad_sequences(sequences, policy.tokenizer.pad_token_id)
+    predict_at = torch.zeros_like(ids, dtype=torch.bool)  # positions whose next token is an answer token
+    for row, (x, y) in enumerate(zip(prompt_ids, answers)):
+        predict_at[row, len(x) - 1: len(x) + len(y) - 1] = True
+    logits, _, _ = policy.forward(ids, attention, logits_at=predict_at)
+    targets = ids[:, 1:][predict_at[:, :-1]].to(logits.device)
+    return masked_token_cross_entropy(logits, targets).mean()
+
+
+def train_distilled_policy(policy, critic, tokens: CriticTokens, train_groups: Sequence[PromptGroup],
+                           val_groups: Sequence[PromptGroup], cfg: CriticConfig, encode: Callable[[str], Sequence[int]],
+                           answer_of: Callable[[Sequence[int]], str], stop_ids: Sequence[int], seed: int,
+                           runtime) -> tuple[dict, list[dict]]:
+    """The policy trained by `cfg.distill.method` on the shared loop. Each step draws `batch_size * grad_accum`
+    train prompts (`supervised.batch_indices`):
+
+        reverse_kl   one trajectory per prompt from pi_new (`q_weighted_decode`, pi_ref = the policy's base
+                     weights, the critic reading the prompt's first K - 1 critic_data trajectories and their
+                     feedback; draws seeded by (seed, step, slot)), L = mean over them of `q_distillation_loss`
+        rft          one successful critic_data trajectory per prompt (prompts without one are skipped when the
+                     train prompts are indexed), L = `rft_loss`
+
+    Evaluation (before the first step and every eval_steps): `distill.eval_samples` answers per held-out prompt
+    from the policy (temperature 1, seeded), val_reward = their mean exact-match reward. Single process: the
+    step does not shard prompts over data-parallel workers."""
+    from icrl_core.rollout import exact_match
+    from icrl_core.supervised import apply_update, batch_indices, make_scheduler
+    from icrl_core.training_loop import Schedule, Trainer, run_loop
+
+    dcfg = cfg.distill
+    if distributed.world_size() > 1:
+        raise UserError("critic_distill runs in one process: set ray.num_workers=1")
+    params = policy.trainable_parameters()
+    if not params:
+        raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")
+    threshold = tokens.bins.success_threshold
+    if dcfg.method == "rft":
+        items = [(g.prompt_ids, t.token_ids) for g in train_groups for t in successful_trajectories(g, threshold)]
+    else:
+        items = [(g.prompt_ids, g) for g in train_groups if len(g.trajectories) >= cfg.context_trajectories - 1]
+    if not items:
+        raise UserError(f"critic_distill ({dcfg.method}) has no training data: "
+                        + ("no trajectory succeeded" if dcfg.method == "rft" else "no train prompts"))
+    optimizer = torch.optim.AdamW(params, lr=dcfg.learning_rate, weight_decay=dcfg.weight_decay)
+    scheduler = make_scheduler(optimizer, dcfg.warmup_steps, dcfg.max_steps, dcfg.lr_schedule)
+    global_batch = dcfg.batch_size * dcfg.grad_accum
+    reference = ReferenceView(policy)
+    max_new_tokens = cfg.data.max_new_tokens
+
+    def step(number: int) -> dict[str, float]:
+        began = time.perf_counter()
+        drawn = [items[i] for i in batch_indices(len(items), seed, number - 1, global_batch)]
+        optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0}
+        if dcfg.method == "rft":
+            policy.train()
+            for part in chunks(drawn, dcfg.batch_size):
+                loss = rft_loss(policy, [x for x, _ in part], [y for _, y in part]) * len(part) / len(drawn)
+                loss.backward()
+                sums["loss"] += float(loss.detach())
+                sums["tokens"] += sum(len(x) + len(y) for x, y in part)
+        else:
+            q_values = []
+            for slot, (prompt_ids, group) in enumerate(drawn):
+                prefix = pack_context(prompt_ids, list(group.trajectories[: cfg.context_trajectories - 1]), [],
+                                      tokens.bins, encode, cfg.feedback_template, cfg.supervise_from).input_ids
+                generator = torch.Generator().manual_seed(int(np.random.default_rng([seed, number, slot])
+                                                              .integers(2**62)))
+                steps = q_weighted_decode(reference, critic, tokens, prompt_ids, prefix, cfg.q, max_new_tokens,
+                                          stop_ids, generator=generator)
+                policy.train()
+                loss = q_distillation_loss(policy, prompt_ids, steps) / len(drawn)
+                loss.backward()
+                sums["loss"] += float(loss.detach())
+                sums["tokens"] += len(prompt_ids) + len(steps)
+                sums["sampled_reward"] = sums.get("sampled_reward", 0.0) + exact_match(
+                    answer_of([s.token for s in steps]), group.gold) / len(drawn)
+                q_values += [s.token_q for s in steps]
+            sums["token_q"] = float(np.mean(q_values)) if q_values else float("nan")
+        return apply_update(params, optimizer, scheduler, dcfg.max_grad_norm, sums, 1, began)
+
+    def evaluate() -> dict[str, float]:
+        rewards = []
+        for index, group in enumerate(val_groups):
+            generator = torch.Generator().manual_seed(seed * 100_003 + index)
+            for answer in sample_answers(policy, group.prompt_ids, dcfg.eval_samples, max_new_tokens, stop_ids,
+                                         generator):
+                rewards.append(exact_match(answer_of(answer), group.gold))
+        return {"val_reward": float(np.mean(rewards)) if rewards else float("nan"), "val_samples": float(len(rewards))}
+
+    trainer = Trainer(step, optimizer, scheduler, params, policy.trainable_state_dict,
+                      lambda tensors: policy.load_trainable_state_dict(tensors, "checkpoint"),
+                      evaluate if val_groups and dcfg.eval_samples else None)
+    result = run_loop(trainer, Schedule(dcfg.max_steps, dcfg.eval_steps, dcfg.save_steps, evaluate_first=True),
+                      runtime)
+    metrics = dict(result.last)
+    if result.evals:
+        metrics["val_reward_before"] = result.evals[0]["val_reward"]
+    metrics["train_items"] = float(len(items))
+    return metrics, result.history
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Selection among n sampled trajectories; rejection fine-tuning's data
 

@@ -82,6 +82,27 @@ class CriticDataConfig(Section):
                                       "metrics.json go.")] = Path("artifacts/critic_data")
 
 
+class CriticDistillConfig(OptimFields):
+    """The critic_distill stage: the policy (`model`, LoRA) trained either by reverse-KL distillation of the
+    Q-weighted policy pi_new (the trained critic's Q over pi_ref's min-p candidates, critic.q) or, as the
+    baseline, by rejection fine-tuning (cross-entropy on the critic_data train trajectories that succeeded). Both
+    take the same optimizer steps on the same number of prompts per step."""
+
+    method: Annotated[Literal["reverse_kl", "rft"], Field(description="reverse_kl: each step samples one "
+                                                          "trajectory per drawn prompt from pi_new and minimises "
+                                                          "KL(pi_theta || pi_new) over its states' candidates. rft: "
+                                                          "cross-entropy on successful trajectories.")] = "reverse_kl"
+    learning_rate: Annotated[float, Field(gt=0, le=1, description="AdamW learning rate.")] = 1e-4
+    max_steps: Annotated[int, Field(ge=1, description="Optimizer steps to run.")] = 20
+    eval_samples: Annotated[int, Field(ge=0, le=64, description="Answers sampled (temperature 1) per held-out "
+                                       "prompt at each evaluation: val_reward is their mean exact-match reward "
+                                       "(0: no evaluation).")] = 4
+    lr_schedule: Annotated[Literal["constant", "linear"], Field(description="After warm-up: constant, or "
+                                                                "linear decay to 0 at max_steps.")] = "constant"
+    output_dir: Annotated[Path, Field(description="Stage output folder (the policy adapter, metrics).")] = Path(
+        "artifacts/critic_distill")
+
+
 class CriticConfig(OptimFields):
     """The in-context critic (docs/CRITIC.md): the policy backbone with LoRA and R x L added joint-bin tokens,
     trained on packed contexts (a prompt, `context_trajectories` sampled answers each followed by its feedback
@@ -102,9 +123,12 @@ class CriticConfig(OptimFields):
                                             "{length}: its tokens).")] = "Reward: {reward:g} / Length: {length}"
     q: QSampling = Field(default_factory=QSampling, description="Q-labelling and Q-weighted sampling.")
     data: CriticDataConfig = Field(default_factory=CriticDataConfig, description="The critic_data stage.")
-    in_pipeline: Annotated[bool, Field(description="Run the critic_data and critic stages in `icrl pipeline` "
-                                       "(off: they run on demand, `icrl stage critic_data` / `icrl stage critic` "
-                                       "or `dvc repro critic`).")] = False
+    distill: CriticDistillConfig = Field(default_factory=CriticDistillConfig, description="The critic_distill "
+                                         "stage: reverse-KL distillation of the Q-weighted policy, or rejection "
+                                         "fine-tuning.")
+    in_pipeline: Annotated[bool, Field(description="Run the critic_data, critic and critic_distill stages in "
+                                       "`icrl pipeline` (off: they run on demand, `icrl stage NAME` or `dvc repro "
+                                       "critic_distill`).")] = False
     html_trajectories: Annotated[int, Field(ge=0, le=1000, description="Held-out trajectories shown in the HTML "
                                             "view, each token coloured by its Q-value.")] = 8
     max_eval_contexts: Annotated[int | None, Field(ge=1, description="Validation contexts used at each "

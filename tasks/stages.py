@@ -159,7 +159,7 @@ POLICY_OPTIMIZATION = {"ppo": ("reward_model", "ppo"), "dpo": ("dpo",)}
 
 
 # Stages a pipeline run executes only when asked to (config critic.in_pipeline): the in-context critic's.
-CRITIC_STAGES = ("critic_data", "critic")
+CRITIC_STAGES = ("critic_data", "critic", "critic_distill")
 
 
 def pipeline_stages(policy_optimization: str, project: Path | str | None = None, critic: bool = False) -> list[str]:

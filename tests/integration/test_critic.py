@@ -1,6 +1,7 @@
 """The critic's stages on the tiny model: build_dataset -> critic_data (trajectories sampled from the reference
 policy into a Parquet file) -> critic (trained on packed contexts, measured on held-out prompts, saved, the HTML
-view written); the saved critic loads and predicts what the trained one did. The critic's parts on hand-made
+view written) -> critic_distill (the Q-weighted policy distilled into the policy); the saved critic loads and
+predicts as trained. The critic's parts on hand-made
 examples: tests/unit/test_critic.py."""
 
 from __future__ import annotations
@@ -9,22 +10,25 @@ import json
 import re
 
 import pyarrow.parquet as pq
+import pytest
 import torch
 
-from tasks.settings import load_config
+from tasks.settings import load_config, with_overrides
 from tests.stage_helpers import stage_args
 
 
 def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
+    from icrl_core.adapter_format import is_adapter_folder
     from icrl_core.config import ModelConfig
     from icrl_core.critic import joint_bin_logits, load_critic, read_trajectory_groups
-    from tasks import build_dataset, critic, critic_data
+    from icrl_core.errors import UserError
+    from tasks import build_dataset, critic, critic_data, critic_distill
 
-    config = load_config(None, [a for a in stage_args(
-        "critic.data={prompts: 6, val_prompts: 4, samples_per_prompt: 5, max_new_tokens: 4, batch_size: 10}",
-        "critic.context_trajectories=3", "critic.supervise_from=2", "critic.max_steps=3", "critic.eval_steps=3",
-        "critic.save_steps=2", "critic.batch_size=3", "critic.html_trajectories=2",
-        "critic.q={eval_samples: 2, max_candidates: 3}") if a != "--set"], environ={})
+    settings = ("critic.data={prompts: 6, val_prompts: 4, samples_per_prompt: 5, max_new_tokens: 4, batch_size: 10}",
+                "critic.context_trajectories=3", "critic.supervise_from=2", "critic.max_steps=3",
+                "critic.eval_steps=3", "critic.save_steps=2", "critic.batch_size=3", "critic.html_trajectories=2",
+                "critic.q={eval_samples: 2, max_candidates: 3}")
+    config = load_config(None, [a for a in stage_args(*settings) if a != "--set"], environ={})
     build_dataset.run(config)
     data_metrics = critic_data.run(config)
     table = pq.read_table(in_tmp / "artifacts" / "critic_data" / "trajectories.parquet").to_pylist()
@@ -61,3 +65,17 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     logits = joint_bin_logits(loaded, tokens, ids, torch.ones_like(ids), at)
     assert logits.shape == (3, tokens.bins.size) and torch.isfinite(logits).all()
     assert not torch.allclose(torch.softmax(logits, -1), torch.full_like(logits, 1 / tokens.bins.size))  # trained
+
+    # the trained critic's Q-weighted policy distilled into the policy
+    distill = load_config(None, [a for a in stage_args(*settings, "critic.distill={max_steps: 2, batch_size: 2, "
+                                                       "eval_steps: 2, save_steps: 2, eval_samples: 2}")
+                                 if a != "--set"], environ={})
+    result = critic_distill.run(distill)
+    assert is_adapter_folder(in_tmp / "artifacts" / "critic_distill" / "adapter")
+    assert result["method"] == "reverse_kl" and {"val_reward", "val_reward_before"} <= set(result)
+    assert [h["step"] for h in json.loads((in_tmp / "artifacts" / "critic_distill" / "history.json").read_text())
+            ] == [1, 2]
+    # rejection fine-tuning needs successful trajectories: the random tiny model has none, a clear error says so
+    if not any(r["reward"] for r in table if r["split"] == "train"):
+        with pytest.raises(UserError, match="no trajectory succeeded"):
+            critic_distill.run(with_overrides(distill, {"critic.distill.method": "rft"}))

@@ -44,6 +44,7 @@ from icrl_core.critic import (
     sample_context,
     success_probability,
     train_critic,
+    train_distilled_policy,
 )
 from icrl_core.critic_config import CriticBins, CriticConfig, QSampling
 from icrl_core.model import load_base_model
@@ -358,6 +359,32 @@ def test_critic_tokens_are_never_candidate_actions(untrained_critic):
     assert all(math.isfinite(v) for s in steps for v in s.new_logprobs)
 
 
+@pytest.mark.parametrize("method", ["reverse_kl", "rft"])
+def test_distillation_and_rejection_fine_tuning_train_the_policy(method, untrained_critic):
+    from icrl_core.model import load_policy
+
+    critic, tokens = untrained_critic
+    policy = load_policy("tiny", adapter=LoraAdapter(rank=4, alpha=8), seed=5)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    cfg = CriticConfig(context_trajectories=3, supervise_from=2, data={"max_new_tokens": 3},
+                       q={"min_p": 0.0, "max_candidates": 3},
+                       distill={"method": method, "max_steps": 2, "batch_size": 2, "eval_steps": 2, "save_steps": 2,
+                                "eval_samples": 2, "learning_rate": 1e-2})
+    groups = [PromptGroup(g.prompt_ids, g.trajectories, g.prompt_id, gold="zz") for g in _toy_groups(4)]
+    runtime = MemoryRuntime()
+    metrics, history = train_distilled_policy(policy, critic, tokens, groups, groups[:2], cfg, lambda text: [9],
+                                              lambda ids: "zz" if ids and ids[0] == 101 else "no", (2,), seed=0,
+                                              runtime=runtime)
+    assert [h["step"] for h in history] == [1, 2] and all(math.isfinite(h["loss"]) for h in history)
+    assert {"val_reward", "val_reward_before"} <= set(metrics) and metrics["val_samples"] == 2 * 2
+    # rft trains on the successful trajectories only: half of the toy ones
+    assert metrics["train_items"] == (8 if method == "rft" else 4)
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    if method == "reverse_kl":
+        assert 0 <= history[0]["sampled_reward"] <= 1 and math.isfinite(history[0]["token_q"])
+
+
 def test_evaluate_critic_reads_each_supervised_trajectory_once(untrained_critic):
     critic, tokens = untrained_critic
     cfg = CriticConfig(context_trajectories=3, supervise_from=2)
@@ -409,4 +436,5 @@ def test_the_pipeline_runs_the_critic_stages_only_when_asked():
     assert set(CRITIC_STAGES) <= set(load_stages(ROOT))  # both are stages of dvc.yaml
     assert not set(CRITIC_STAGES) & set(pipeline_stages("ppo", ROOT))
     with_critic = pipeline_stages("ppo", ROOT, critic=True)
-    assert with_critic.index("build_dataset") < with_critic.index("critic_data") < with_critic.index("critic")
+    assert (with_critic.index("build_dataset") < with_critic.index("critic_data") < with_critic.index("critic")
+            < with_critic.index("critic_distill"))

@@ -32,6 +32,10 @@ Q-weighted sampling over the reference policy's min-p candidates C(s) = {a : pi_
 Selection among n sampled trajectories of a prompt: best-of-n takes the one the critic scores highest (E[r] at its
 last token), random-of-n is the mean reward (the expectation of a uniform pick), consistency takes an answer of
 the most frequent kind (majority vote).
+
+Training, on the shared loop (icrl_core/training_loop.py): `train_critic` (the critic on packed contexts of
+sampled trajectories) and `train_distilled_policy` (the policy by reverse-KL distillation of pi_new, or by
+rejection fine-tuning: L = token-mean -log pi_theta(y_t | x, y_<t) over successful trajectories, `rft_loss`).
 """
 
 from __future__ import annotations
@@ -438,10 +442,11 @@ def pad_contexts(contexts: Sequence[PackedContext], pad_id: int) -> CriticBatch:
 
 
 def joint_bin_logits(critic, tokens: CriticTokens, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                     at: torch.Tensor) -> torch.Tensor:
+                     at: torch.Tensor, **cache) -> torch.Tensor:
     """z[joint token ids] at the selected positions: the LM head's logits of the K added tokens after reading each
-    selected position. input_ids, attention_mask, at: (B, T). -> (N, K) float32, N = at.sum()."""
-    logits, _, _ = critic.forward(input_ids, attention_mask, logits_at=at)  # (N, V + K)
+    selected position. input_ids, attention_mask, at: (B, T); `cache`: past_key_values and positions of a KV
+    cache the input continues. -> (N, K) float32, N = at.sum()."""
+    logits, _, _ = critic.forward(input_ids, attention_mask, logits_at=at, **cache)  # (N, V + K)
     return logits[:, list(tokens.ids)]
 
 
@@ -696,12 +701,22 @@ def reverse_kl_loss(policy_logits: torch.Tensor, target_logprobs: torch.Tensor, 
 @torch.no_grad()
 def candidate_q_values(critic, tokens: CriticTokens, context_ids: Sequence[int], candidate_ids: Sequence[int],
                        kind: str = "expected_reward") -> torch.Tensor:
-    """Q(s, a) for each candidate a: the critic's reading (`critic_values`) after context + a, the C sequences in
-    one batch (equal lengths: no padding). -> (C,) float32"""
-    sequences = torch.tensor([list(context_ids) + [int(a)] for a in candidate_ids], dtype=torch.long)
-    at = torch.zeros_like(sequences, dtype=torch.bool)
-    at[:, -1] = True
-    bin_logits = joint_bin_logits(critic, tokens, sequences, torch.ones_like(sequences), at)
+    """Q(s, a) for each candidate a: the critic's reading (`critic_values`) after context + a. The context is read
+    once into a KV cache, which is then repeated for the C candidates, each read as one more token (cost L + C
+    tokens instead of C (L + 1)). -> (C,) float32"""
+    from transformers import DynamicCache
+
+    critic.eval()
+    context = torch.tensor([list(context_ids)], dtype=torch.long)
+    n = len(candidate_ids)
+    cache = DynamicCache()
+    critic.forward(context, torch.ones_like(context), logits_at=torch.zeros_like(context, dtype=torch.bool),
+                   past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(n)
+    candidates = torch.tensor([[int(a)] for a in candidate_ids], dtype=torch.long)  # (C, 1)
+    bin_logits = joint_bin_logits(critic, tokens, candidates, torch.ones(n, context.shape[1] + 1, dtype=torch.long),
+                                  torch.ones_like(candidates, dtype=torch.bool), past_key_values=cache, use_cache=True,
+                                  position_ids=torch.full((n, 1), context.shape[1], dtype=torch.long))
     return critic_values(bin_logits, tokens.bins, kind).cpu()
 
 

@@ -50,7 +50,7 @@ class QSampling(Section):
     min_p: Annotated[float, Field(ge=0, le=1, description="Keep a candidate token a when pi_ref(a|s) >= min_p * "
                                   "max_a' pi_ref(a'|s) (0: every token, up to max_candidates).")] = 0.1
     max_candidates: Annotated[int, Field(ge=1, le=256, description="At most this many candidates per state (the "
-                                         "most probable ones): each costs one critic pass.")] = 8
+                                         "most probable ones): each costs the critic one more token.")] = 8
     tau: Annotated[float, Field(gt=0, le=1e6, description="Temperature of the Q weighting: small tau follows the "
                                 "critic, large tau the reference.")] = 0.1
     value: Annotated[Literal["expected_reward", "success_probability"], Field(
@@ -59,7 +59,7 @@ class QSampling(Section):
     eval_samples: Annotated[int, Field(ge=0, le=64, description="At the end of the critic stage: this many "
                                        "Q-weighted samples per held-out prompt (pi_ref = the base model), their "
                                        "mean reward against as many plain samples of critic_data (0: skipped; each "
-                                       "token costs a reference pass and a critic pass over its candidates).")] = 0
+                                       "token costs a reference and a critic pass over the state).")] = 0
 
 
 class CriticDataConfig(Section):

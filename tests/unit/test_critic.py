@@ -329,6 +329,12 @@ def test_q_labelling_and_distillation_on_the_tiny_model(tiny):
     assert candidate_q_values(critic, tokens, prompt, steps[0].candidate_ids).tolist() == pytest.approx(steps[0].q)
     assert candidate_q_values(critic, tokens, prompt + [50], steps[1].candidate_ids).tolist() == pytest.approx(
         steps[1].q)
+    # the KV-cached reading equals reading each context + candidate from scratch
+    sequences = T([prompt + [50, a] for a in steps[1].candidate_ids])
+    last = torch.zeros_like(sequences, dtype=torch.bool)
+    last[:, -1] = True
+    scratch = expected_reward(joint_bin_logits(critic, tokens, sequences, torch.ones_like(sequences), last), BINS)
+    assert steps[1].q == pytest.approx(scratch.tolist(), abs=1e-5)
     # sampling: seeded, draws among the candidates, stops at the budget
     a, b = (q_weighted_decode(tiny, critic, tokens, prompt, prompt, q_cfg, 4,
                               generator=torch.Generator().manual_seed(3)) for _ in range(2))

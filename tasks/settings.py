@@ -145,7 +145,7 @@ class PipelineConfig(Section):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="The in-context critic (stages "
-                                 "critic_data and critic; docs/CRITIC.md).")
+                                 "critic_data, critic, critic_distill; docs/CRITIC.md).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from icrl_core import distributed
 from icrl_core.batching import chunks, pad_sequences
-from icrl_core.critic_config import CriticBins, CriticConfig, QSampling
+from icrl_core.critic_config import CriticBins, CriticConfig, CriticDistillConfig, QSampling
 from icrl_core.errors import UserError
 
 TOKEN_NAME = "<|critic_r{reward}_l{length}|>"
@@ -886,10 +886,12 @@ def rft_loss(policy, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Sequ
 
 
 def train_distilled_policy(policy, critic, tokens: CriticTokens, train_groups: Sequence[PromptGroup],
-                           val_groups: Sequence[PromptGroup], cfg: CriticConfig, encode: Callable[[str], Sequence[int]],
+                           val_groups: Sequence[PromptGroup], cfg: CriticConfig, dcfg: CriticDistillConfig,
+                           encode: Callable[[str], Sequence[int]],
                            answer_of: Callable[[Sequence[int]], str], stop_ids: Sequence[int], seed: int,
                            runtime) -> tuple[dict, list[dict]]:
-    """The policy trained by `cfg.distill.method` on the shared loop. Each step draws `batch_size * grad_accum`
+    """The policy trained by `dcfg.method` (config `critic_distill`) on the shared loop, with the critic's
+    settings `cfg` (Q sampling, context, trajectory length). Each step draws `batch_size * grad_accum`
     train prompts (`supervised.batch_indices`):
 
         reverse_kl   one trajectory per prompt from pi_new (`q_weighted_decode`, pi_ref = the policy's base
@@ -898,14 +900,13 @@ def train_distilled_policy(policy, critic, tokens: CriticTokens, train_groups: S
         rft          one successful critic_data trajectory per prompt (prompts without one are skipped when the
                      train prompts are indexed), L = `rft_loss`
 
-    Evaluation (before the first step and every eval_steps): `distill.eval_samples` answers per held-out prompt
+    Evaluation (before the first step and every eval_steps): `dcfg.eval_samples` answers per held-out prompt
     from the policy (temperature 1, seeded), val_reward = their mean exact-match reward. Single process: the
     step does not shard prompts over data-parallel workers."""
     from icrl_core.rollout import exact_match
     from icrl_core.supervised import apply_update, batch_indices, make_scheduler
     from icrl_core.training_loop import Schedule, Trainer, run_loop
 
-    dcfg = cfg.distill
     if distributed.world_size() > 1:
         raise UserError("critic_distill runs in one process: set ray.num_workers=1")
     params = policy.trainable_parameters()

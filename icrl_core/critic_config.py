@@ -86,7 +86,8 @@ class CriticDistillConfig(OptimFields):
     """The critic_distill stage: the policy (`model`, LoRA) trained either by reverse-KL distillation of the
     Q-weighted policy pi_new (the trained critic's Q over pi_ref's min-p candidates, critic.q) or, as the
     baseline, by rejection fine-tuning (cross-entropy on the critic_data train trajectories that succeeded). Both
-    take the same optimizer steps on the same number of prompts per step."""
+    take the same optimizer steps on the same number of prompts per step. A section of its own (`critic_distill`,
+    not under `critic`) so that DVC reruns the critic stage only when the critic's own parameters change."""
 
     method: Annotated[Literal["reverse_kl", "rft"], Field(description="reverse_kl: each step samples one "
                                                           "trajectory per drawn prompt from pi_new and minimises "
@@ -123,9 +124,6 @@ class CriticConfig(OptimFields):
                                             "{length}: its tokens).")] = "Reward: {reward:g} / Length: {length}"
     q: QSampling = Field(default_factory=QSampling, description="Q-labelling and Q-weighted sampling.")
     data: CriticDataConfig = Field(default_factory=CriticDataConfig, description="The critic_data stage.")
-    distill: CriticDistillConfig = Field(default_factory=CriticDistillConfig, description="The critic_distill "
-                                         "stage: reverse-KL distillation of the Q-weighted policy, or rejection "
-                                         "fine-tuning.")
     in_pipeline: Annotated[bool, Field(description="Run the critic_data, critic and critic_distill stages in "
                                        "`icrl pipeline` (off: they run on demand, `icrl stage NAME` or `dvc repro "
                                        "critic_distill`).")] = False

@@ -29,7 +29,7 @@ from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConf
                               EvalConfig, EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter,
                               LoraAdapter, MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig,
                               Section, SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
-from icrl_core.critic_config import CriticConfig
+from icrl_core.critic_config import CriticConfig, CriticDistillConfig
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
 from icrl_core.io import read_user_text
@@ -145,7 +145,10 @@ class PipelineConfig(Section):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="The in-context critic (stages "
-                                 "critic_data, critic, critic_distill; docs/CRITIC.md).")
+                                 "critic_data and critic; docs/CRITIC.md).")
+    critic_distill: CriticDistillConfig = Field(default_factory=CriticDistillConfig, description="The "
+                                                "critic_distill stage: the critic's Q-weighted policy distilled into "
+                                                "the policy, or rejection fine-tuning (docs/CRITIC.md).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)

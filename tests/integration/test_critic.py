@@ -67,7 +67,7 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     assert not torch.allclose(torch.softmax(logits, -1), torch.full_like(logits, 1 / tokens.bins.size))  # trained
 
     # the trained critic's Q-weighted policy distilled into the policy
-    distill = load_config(None, [a for a in stage_args(*settings, "critic.distill={max_steps: 2, batch_size: 2, "
+    distill = load_config(None, [a for a in stage_args(*settings, "critic_distill={max_steps: 2, batch_size: 2, "
                                                        "eval_steps: 2, save_steps: 2, eval_samples: 2}")
                                  if a != "--set"], environ={})
     result = critic_distill.run(distill)
@@ -78,4 +78,4 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     # rejection fine-tuning needs successful trajectories: the random tiny model has none, a clear error says so
     if not any(r["reward"] for r in table if r["split"] == "train"):
         with pytest.raises(UserError, match="no trajectory succeeded"):
-            critic_distill.run(with_overrides(distill, {"critic.distill.method": "rft"}))
+            critic_distill.run(with_overrides(distill, {"critic_distill.method": "rft"}))

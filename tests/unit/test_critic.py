@@ -46,7 +46,7 @@ from icrl_core.critic import (
     train_critic,
     train_distilled_policy,
 )
-from icrl_core.critic_config import CriticBins, CriticConfig, QSampling
+from icrl_core.critic_config import CriticBins, CriticConfig, CriticDistillConfig, QSampling
 from icrl_core.model import load_base_model
 
 T = torch.tensor
@@ -373,14 +373,14 @@ def test_distillation_and_rejection_fine_tuning_train_the_policy(method, untrain
     policy = load_policy("tiny", adapter=LoraAdapter(rank=4, alpha=8), seed=5)
     before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
     cfg = CriticConfig(context_trajectories=3, supervise_from=2, data={"max_new_tokens": 3},
-                       q={"min_p": 0.0, "max_candidates": 3},
-                       distill={"method": method, "max_steps": 2, "batch_size": 2, "eval_steps": 2, "save_steps": 2,
-                                "eval_samples": 2, "learning_rate": 1e-2})
+                       q={"min_p": 0.0, "max_candidates": 3})
+    distill = CriticDistillConfig(method=method, max_steps=2, batch_size=2, eval_steps=2, save_steps=2,
+                                  eval_samples=2, learning_rate=1e-2)
     groups = [PromptGroup(g.prompt_ids, g.trajectories, g.prompt_id, gold="zz") for g in _toy_groups(4)]
     runtime = MemoryRuntime()
-    metrics, history = train_distilled_policy(policy, critic, tokens, groups, groups[:2], cfg, lambda text: [9],
-                                              lambda ids: "zz" if ids and ids[0] == 101 else "no", (2,), seed=0,
-                                              runtime=runtime)
+    metrics, history = train_distilled_policy(policy, critic, tokens, groups, groups[:2], cfg, distill,
+                                              lambda text: [9], lambda ids: "zz" if ids and ids[0] == 101 else "no",
+                                              (2,), seed=0, runtime=runtime)
     assert [h["step"] for h in history] == [1, 2] and all(math.isfinite(h["loss"]) for h in history)
     assert {"val_reward", "val_reward_before"} <= set(metrics) and metrics["val_samples"] == 2 * 2
     # rft trains on the successful trajectories only: half of the toy ones

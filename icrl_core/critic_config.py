@@ -124,9 +124,6 @@ class CriticConfig(OptimFields):
                                             "{length}: its tokens).")] = "Reward: {reward:g} / Length: {length}"
     q: QSampling = Field(default_factory=QSampling, description="Q-labelling and Q-weighted sampling.")
     data: CriticDataConfig = Field(default_factory=CriticDataConfig, description="The critic_data stage.")
-    in_pipeline: Annotated[bool, Field(description="Run the critic_data, critic and critic_distill stages in "
-                                       "`icrl pipeline` (off: they run on demand, `icrl stage NAME` or `dvc repro "
-                                       "critic_distill`).")] = False
     html_trajectories: Annotated[int, Field(ge=0, le=1000, description="Held-out trajectories shown in the HTML "
                                             "view, each token coloured by its Q-value.")] = 8
     max_eval_contexts: Annotated[int | None, Field(ge=1, description="Validation contexts used at each "

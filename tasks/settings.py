@@ -131,6 +131,10 @@ class PipelineConfig(Section):
                     "ppo, then adapt) or dpo (stage dpo). The other branch's stages are skipped; "
                     "evaluate.adapter names the evaluated adapter (artifacts/ppo/adapter or "
                     "artifacts/dpo/adapter, or the bootstrap's) and must not be the skipped branch's.")] = "ppo"
+    critic_in_pipeline: Annotated[bool, Field(
+        description="Run the in-context critic's stages (critic_data, critic, critic_distill; docs/CRITIC.md) in a "
+                    "pipeline run (off: on demand, `icrl stage NAME` or `dvc repro critic_distill`). A top-level key, "
+                    "not under `critic`, so that switching it reruns no stage in DVC.")] = False
     artifacts_dir: Annotated[Path, Field(description="Root of stage outputs.")] = Path("artifacts")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

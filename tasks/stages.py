@@ -158,7 +158,7 @@ def upstream_closure(stage: str, project: Path | str | None = None) -> list[str]
 POLICY_OPTIMIZATION = {"ppo": ("reward_model", "ppo"), "dpo": ("dpo",)}
 
 
-# Stages a pipeline run executes only when asked to (config critic.in_pipeline): the in-context critic's.
+# Stages a pipeline run executes only when asked to (config critic_in_pipeline): the in-context critic's.
 CRITIC_STAGES = ("critic_data", "critic", "critic_distill")
 
 

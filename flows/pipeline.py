@@ -212,8 +212,10 @@ def _run_stages(stages: list[str] | None) -> dict:
 
     config = load_config(PARAMS_FILE if Path(PARAMS_FILE).exists() else None, [])
     pipeline = stage_names()  # dvc.yaml's stages, in order
-    # default: every stage of the chosen policy optimization (config policy_optimization: ppo or dpo)
-    selected = pipeline_stages(config.policy_optimization) if stages is None else [s for s in pipeline if s in stages]
+    # default: every stage of the chosen policy optimization (config policy_optimization: ppo or dpo), the
+    # critic's only with critic_in_pipeline
+    selected = (pipeline_stages(config.policy_optimization, critic=config.critic_in_pipeline) if stages is None
+                else [s for s in pipeline if s in stages])
     unknown = sorted(set(stages or []) - set(pipeline))
     if unknown:
         raise ValueError(f"unknown stages {unknown}; stages are {pipeline}")

@@ -19,7 +19,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -362,13 +362,34 @@ class Policy:
         return self
 
 
-def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """Make the adapter's parameters trainable; return (model, frozen copies of trained blocks)."""
+def add_special_tokens(model: nn.Module, tokenizer, names: Sequence[str]) -> list[int]:
+    """Add `names` to the tokenizer as special tokens (each one id, never split) and grow the model's embedding
+    (and its tied LM head) by their rows. A new row starts as the mean of the old rows: no draw from the RNG, and
+    new tokens that start alike get equal logits. Names already in the vocabulary keep their ids. -> their ids."""
+    tokenizer.add_tokens(list(names), special_tokens=True)
+    ids = [int(tokenizer.convert_tokens_to_ids(name)) for name in names]
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > old_rows:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        with torch.no_grad():
+            weight = model.get_input_embeddings().weight
+            weight[old_rows:] = weight[:old_rows].mean(dim=0)
+    return ids
+
+
+def apply_adapter(model: nn.Module, adapter: Adapter,
+                  trainable_token_ids: Sequence[int] = ()) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """Make the adapter's parameters trainable; return (model, frozen copies of trained blocks).
+    `trainable_token_ids` (LoRA only): embedding rows trained as well (PEFT's trainable tokens: a delta for those
+    rows only, shared with the tied LM head), e.g. tokens added by `add_special_tokens`."""
+    if trainable_token_ids and not isinstance(adapter, LoraAdapter):
+        raise UserError(f"training added tokens needs model.adapter.kind=lora (got {adapter.kind})")
     if isinstance(adapter, LoraAdapter):
         from peft import LoraConfig, get_peft_model
 
+        extra = {"trainable_token_indices": {"embed_tokens": list(trainable_token_ids)}} if trainable_token_ids else {}
         lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                          target_modules=list(adapter.target_modules), bias="none", task_type="CAUSAL_LM")
+                          target_modules=list(adapter.target_modules), bias="none", task_type="CAUSAL_LM", **extra)
         with warnings.catch_warnings():
             # PEFT reads transformers' deprecated `is_gradient_checkpointing` alias: noise on every stage start
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -389,14 +410,17 @@ def apply_adapter(model: nn.Module, adapter: Adapter) -> tuple[nn.Module, dict[i
 
 def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | None = None,
                 value_head: bool = False, cache_dir: Path | None = None, seed: int = 0,
-                init_adapter: Path | None = None, device: str = "auto") -> Policy:
+                init_adapter: Path | None = None, device: str = "auto", added_tokens: Sequence[str] = ()) -> Policy:
     """Load a policy onto `device` (`resolve_device`). `adapter` defaults to no trainable part (evaluation).
-    Everything is built and seeded on the CPU, then moved: the same initial numbers on every device."""
+    Everything is built and seeded on the CPU, then moved: the same initial numbers on every device.
+    `added_tokens`: special tokens added to the vocabulary (`add_special_tokens`) and, under LoRA, trained with it
+    (the critic's joint-bin tokens, icrl_core/critic.py)."""
     adapter = adapter or FrozenAdapter()
     base, tokenizer = load_base_model(spec, dtype, cache_dir, seed)
+    token_ids = add_special_tokens(base, tokenizer, added_tokens) if added_tokens else []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, frozen = apply_adapter(base, adapter)
+        model, frozen = apply_adapter(base, adapter, token_ids if isinstance(adapter, LoraAdapter) else ())
         head = ValueHead(base.config.hidden_size) if value_head else None
     policy = Policy(model=model, tokenizer=tokenizer, adapter=adapter, spec=spec, value_head=head,
                     _frozen_blocks=frozen)

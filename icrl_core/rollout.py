@@ -94,9 +94,14 @@ def mixture_sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Ge
 # One episode's dialogue
 
 
+def exact_match(answer: str, gold: str) -> float:
+    """1.0 when the stripped answer equals the stripped gold answer, else 0.0."""
+    return 1.0 if answer.strip() == gold.strip() else 0.0
+
+
 def task_reward(answer: str, query: Query) -> float:
     """Exact match of the stripped answer against the query's preferred answer: 1.0 or 0.0."""
-    return 1.0 if answer.strip() == query.preferred_answer.strip() else 0.0
+    return exact_match(answer, query.preferred_answer)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConf
                               EvalConfig, EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter,
                               LoraAdapter, MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig,
                               Section, SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
+from icrl_core.critic_config import CriticConfig, CriticDistillConfig
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
 from icrl_core.io import read_user_text
@@ -130,6 +131,10 @@ class PipelineConfig(Section):
                     "ppo, then adapt) or dpo (stage dpo). The other branch's stages are skipped; "
                     "evaluate.adapter names the evaluated adapter (artifacts/ppo/adapter or "
                     "artifacts/dpo/adapter, or the bootstrap's) and must not be the skipped branch's.")] = "ppo"
+    critic_in_pipeline: Annotated[bool, Field(
+        description="Run the in-context critic's stages (critic_data, critic, critic_distill; docs/CRITIC.md) in a "
+                    "pipeline run (off: on demand, `icrl stage NAME` or `dvc repro critic_distill`). A top-level key, "
+                    "not under `critic`, so that switching it reruns no stage in DVC.")] = False
     artifacts_dir: Annotated[Path, Field(description="Root of stage outputs.")] = Path("artifacts")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -143,6 +148,11 @@ class PipelineConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     code: CodeConfig = Field(default_factory=CodeConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="The in-context critic (stages "
+                                 "critic_data and critic; docs/CRITIC.md).")
+    critic_distill: CriticDistillConfig = Field(default_factory=CriticDistillConfig, description="The "
+                                                "critic_distill stage: the critic's Q-weighted policy distilled into "
+                                                "the policy, or rejection fine-tuning (docs/CRITIC.md).")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)

@@ -158,12 +158,19 @@ def upstream_closure(stage: str, project: Path | str | None = None) -> list[str]
 POLICY_OPTIMIZATION = {"ppo": ("reward_model", "ppo"), "dpo": ("dpo",)}
 
 
-def pipeline_stages(policy_optimization: str, project: Path | str | None = None) -> list[str]:
+# Stages a pipeline run executes only when asked to (config critic_in_pipeline): the in-context critic's.
+CRITIC_STAGES = ("critic_data", "critic", "critic_distill")
+
+
+def pipeline_stages(policy_optimization: str, project: Path | str | None = None, critic: bool = False) -> list[str]:
     """The stages a pipeline run executes, in order: all of dvc.yaml's but the other branches' stages and the
-    stages that read their outputs (e.g. adapt, which adapts the PPO adapter, under dpo)."""
+    stages that read their outputs (e.g. adapt, which adapts the PPO adapter, under dpo), and without the critic's
+    stages unless `critic`."""
     stages = load_stages(project)
     skipped = {name for choice, names in POLICY_OPTIMIZATION.items() if choice != policy_optimization
                for name in names if name in stages}
+    if not critic:
+        skipped |= {name for name in CRITIC_STAGES if name in stages}
     for name, stage in stages.items():  # pipeline order: upstream stages come first
         if skipped & set(stage.upstream):
             skipped.add(name)

@@ -1,0 +1,81 @@
+"""The critic's stages on the tiny model: build_dataset -> critic_data (trajectories sampled from the reference
+policy into a Parquet file) -> critic (trained on packed contexts, measured on held-out prompts, saved, the HTML
+view written) -> critic_distill (the Q-weighted policy distilled into the policy); the saved critic loads and
+predicts as trained. The critic's parts on hand-made
+examples: tests/unit/test_critic.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tasks.settings import load_config, with_overrides
+from tests.stage_helpers import stage_args
+
+
+def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
+    from icrl_core.adapter_format import is_adapter_folder
+    from icrl_core.config import ModelConfig
+    from icrl_core.critic import joint_bin_logits, load_critic, read_trajectory_groups
+    from icrl_core.errors import UserError
+    from tasks import build_dataset, critic, critic_data, critic_distill
+
+    settings = ("critic.data={prompts: 6, val_prompts: 4, samples_per_prompt: 5, max_new_tokens: 4, batch_size: 10}",
+                "critic.context_trajectories=3", "critic.supervise_from=2", "critic.max_steps=3",
+                "critic.eval_steps=3", "critic.save_steps=2", "critic.batch_size=3", "critic.html_trajectories=2",
+                "critic.q={eval_samples: 2, max_candidates: 3}")
+    config = load_config(None, [a for a in stage_args(*settings) if a != "--set"], environ={})
+    build_dataset.run(config)
+    data_metrics = critic_data.run(config)
+    table = pq.read_table(in_tmp / "artifacts" / "critic_data" / "trajectories.parquet").to_pylist()
+    assert len(table) == data_metrics["trajectories"] == (6 + 4) * 5
+    assert {r["split"] for r in table} == {"train", "val"}
+    assert all(r["length"] == len(r["trajectory_ids"]) <= 4 and r["reward"] in (0.0, 1.0) for r in table)
+    groups = read_trajectory_groups(in_tmp / "artifacts" / "critic_data" / "trajectories.parquet")
+    assert [len(g.trajectories) for g in groups["train"]] == [5] * 6 and len(groups["val"]) == 4
+    # the same seed samples the same trajectories
+    again = critic_data.generate(config)[1]
+    assert [r["trajectory_ids"] for r in again] == [r["trajectory_ids"] for r in table]
+
+    metrics = critic.run(config)
+    out = in_tmp / "artifacts" / "critic"
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert metrics["step"] == 3 and "val_loss" in metrics and metrics["selection_prompts"] == 4
+    assert metrics["candidates_per_prompt"] == 5 - 2  # K - 1 = 2 trajectories are the context
+    # Q-weighted sampling: 2 samples per held-out prompt against the first 2 plain candidates
+    assert metrics["q_sampling_prompts"] == 4 and 0 <= metrics["q_weighted_reward"] <= 1
+    assert 0 <= metrics["plain_sampling_reward"] <= 1
+    headline = json.loads((in_tmp / "metrics" / "critic.json").read_text())
+    assert {"best_of_n_reward", "random_of_n_reward", "consistency_reward", "q_weighted_reward"} <= set(headline)
+    page = (out / "q_view.html").read_text()
+    assert page.count('<div class="trajectory">') == 2 and 'title="Q = ' in page
+    assert not re.search(r"<script|<link|src=|https?://", page)
+    # the saved critic is the trained one
+    loaded, tokens = load_critic(out / "model", ModelConfig(spec="tiny"))
+    meta = json.loads((out / "model" / "critic.json").read_text())
+    assert meta["token_ids"] == list(tokens.ids) and meta["bins"]["reward_values"] == [0.0, 1.0]
+    ids = torch.tensor([groups["val"][0].prompt_ids + groups["val"][0].trajectories[0].token_ids])
+    at = torch.zeros_like(ids, dtype=torch.bool)
+    at[0, -3:] = True
+    logits = joint_bin_logits(loaded, tokens, ids, torch.ones_like(ids), at)
+    assert logits.shape == (3, tokens.bins.size) and torch.isfinite(logits).all()
+    assert not torch.allclose(torch.softmax(logits, -1), torch.full_like(logits, 1 / tokens.bins.size))  # trained
+
+    # the trained critic's Q-weighted policy distilled into the policy
+    distill = load_config(None, [a for a in stage_args(*settings, "critic_distill={max_steps: 2, batch_size: 2, "
+                                                       "eval_steps: 2, save_steps: 2, eval_samples: 2}")
+                                 if a != "--set"], environ={})
+    result = critic_distill.run(distill)
+    assert is_adapter_folder(in_tmp / "artifacts" / "critic_distill" / "adapter")
+    assert result["method"] == "reverse_kl" and {"val_reward", "val_reward_before"} <= set(result)
+    assert [h["step"] for h in json.loads((in_tmp / "artifacts" / "critic_distill" / "history.json").read_text())
+            ] == [1, 2]
+    # rejection fine-tuning needs successful trajectories: the random tiny model has none, a clear error says so
+    if not any(r["reward"] for r in table if r["split"] == "train"):
+        with pytest.raises(UserError, match="no trajectory succeeded"):
+            critic_distill.run(with_overrides(distill, {"critic_distill.method": "rft"}))

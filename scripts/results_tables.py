@@ -23,7 +23,7 @@ DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.m
              ROOT / "docs" / "REPRODUCIBILITY.md", ROOT / "experiments" / "stream_rl_synthetic" / "REPORT.md",
              ROOT / "docs" / "ASYNC.md",
              ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md", ROOT / "experiments" / "code_rl" / "README.md",
-             ROOT / "docs" / "SANDBOX.md"]
+             ROOT / "docs" / "SANDBOX.md", ROOT / "experiments" / "critic" / "README.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 
@@ -351,7 +351,31 @@ def bench_sandbox() -> str:
             f"{data['goal_programs_per_s']} programs/s; load average {load}.\n")
 
 
+def critic_first_run() -> str:
+    """The in-context critic on SmolLM2-135M (experiments/critic/results.json)."""
+    r = _json("experiments/critic/results.json")
+    data, critic = r["critic_data"], r["critic"]
+    rows = [
+        ["held-out AUC of P(success), at an attempt's last token (95% bootstrap CI over prompts)",
+         f"{critic['val_auc']:.3f} [{critic['val_auc_low']:.3f}, {critic['val_auc_high']:.3f}]",
+         f"untrained {critic['val_auc_before']:.3f}; goal 0.7"],
+        ["held-out AUC at an attempt's first token", f"{critic['val_auc_first_token']:.3f}", ""],
+        ["calibration: ECE / Brier", f"{critic['val_ece']:.3f} / {critic['val_brier']:.3f}", ""],
+        [f"best-of-{critic['candidates_per_prompt']:.0f}, reward of the pick (critic / random / majority vote / oracle)",
+         f"{critic['best_of_n_reward']:.3f} / {critic['random_of_n_reward']:.3f} / {critic['consistency_reward']:.3f}"
+         f" / {critic['oracle_reward']:.3f}", f"{critic['selection_prompts']:.0f} held-out prompts"],
+    ]
+    return (_table(["measure", "value", "note"], rows)
+            + f"\nData: {data['trajectories']} sampled answers ({data['train_prompts']} train + {data['val_prompts']} "
+            f"held-out prompts x 8), success rate {data['train_success_rate']:.3f} train / {data['val_success_rate']:.3f} "
+            f"held-out, {data['val_mixed_prompts']} of {data['val_prompts']} held-out prompts with mixed outcomes. "
+            f"Wall time: critic_data {data['wall_seconds'] / 60:.1f} min, critic {critic['wall_seconds'] / 60:.1f} min "
+            f"({critic['step']:.0f} steps), one torch thread, {r['machine_load']}; measured {r['measured']} at "
+            f"`{r['commit'][:7]}`.\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "critic-first-run": critic_first_run,
     "bench-sandbox": bench_sandbox,
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -96,3 +97,29 @@ def _parents(proc) -> list:
         return proc.parents()
     except psutil.Error:  # exited meanwhile
         return []
+
+
+class Killed(Exception):
+    """A run killed right after a checkpoint."""
+
+
+class MemoryRuntime:
+    """The runtime protocol of the training loop (train_ppo, train_dpo, ...) with checkpoints kept in memory."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, checkpoints: list | None = None, kill_after: int | None = None):
+        self.checkpoints = checkpoints if checkpoints is not None else []
+        self.reports: list[tuple[int, dict]] = []
+        self.kill_after = kill_after  # the run dies right after writing this many checkpoints
+
+    def report(self, metrics, step):
+        self.reports.append((step, dict(metrics)))
+
+    def save_checkpoint(self, state):
+        self.checkpoints.append(copy.deepcopy(state))
+        if len(self.checkpoints) == self.kill_after:
+            raise Killed
+
+    def load_latest_checkpoint(self):
+        return self.checkpoints[-1] if self.checkpoints else None

@@ -5,7 +5,6 @@ config errors: tests/unit/test_async_rollouts.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -15,7 +14,7 @@ import torch
 from icrl_core.async_rollouts import behaviour_version
 from icrl_core.config import DataConfig, LoraAdapter, SyntheticSource
 from tasks.settings import load_config
-from tests.conftest import run_cli
+from tests.conftest import Killed, MemoryRuntime, run_cli
 
 DATA = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)
 ASYNC_KEYS = ("async_version", "async_lag", "actor_rollout_seconds", "is_ratio_mean", "is_ratio_min",
@@ -168,29 +167,6 @@ def test_an_actor_rolls_out_with_the_last_weights_pushed_to_it(pool, policy):
         logps.append(batch.behaviour_logp)
     assert not torch.allclose(logps[0], logps[1], atol=1e-3)  # the new weights were used
     fresh(policy)
-
-
-class Killed(Exception):
-    pass
-
-
-class MemoryRuntime:
-    rank, world_size = 0, 1
-
-    def __init__(self, checkpoints: list | None = None, kill_after: int | None = None):
-        self.checkpoints = checkpoints if checkpoints is not None else []
-        self.kill_after = kill_after
-
-    def report(self, metrics, step):
-        pass
-
-    def save_checkpoint(self, state):
-        self.checkpoints.append(copy.deepcopy(state))
-        if len(self.checkpoints) == self.kill_after:
-            raise Killed
-
-    def load_latest_checkpoint(self):
-        return self.checkpoints[-1] if self.checkpoints else None
 
 
 def train(policy, config, runtime, pool=None):

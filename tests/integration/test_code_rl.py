@@ -5,7 +5,6 @@ and `icrl code-eval`. The sandbox is the real one everywhere."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -23,6 +22,7 @@ from icrl_core.code_rl import (
 from icrl_core.config import LoraAdapter, PPOConfig
 from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head
 from tasks.settings import load_config
+from tests.conftest import Killed, MemoryRuntime
 
 T = torch.tensor
 CODE = CodeConfig()
@@ -150,31 +150,6 @@ def test_the_group_update_makes_passing_completions_likelier(policy, tokens, kin
     change = sequence_logp() - before
     assert (change[[0, 2]] > 0).all() and (change[[1, 3]] < 0).all(), change
     fresh(policy)
-
-
-class Killed(Exception):
-    """A run killed right after a checkpoint."""
-
-
-class MemoryRuntime:
-    """The runtime protocol of the training loop with checkpoints kept in memory."""
-
-    rank, world_size = 0, 1
-
-    def __init__(self, checkpoints: list | None = None, kill_after: int | None = None):
-        self.checkpoints = checkpoints if checkpoints is not None else []
-        self.kill_after = kill_after
-
-    def report(self, metrics, step):
-        pass
-
-    def save_checkpoint(self, state):
-        self.checkpoints.append(copy.deepcopy(state))
-        if len(self.checkpoints) == self.kill_after:
-            raise Killed
-
-    def load_latest_checkpoint(self):
-        return self.checkpoints[-1] if self.checkpoints else None
 
 
 def test_code_training_resumes_exactly(policy):

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from icrl_core.config import LoraAdapter, PPOConfig
-from tasks.settings import load_config
 from icrl_core.dataset_build import resolve_sources
 from icrl_core.ppo import trainable_tensors, zero_value_head
+from tasks.settings import load_config
+from tests.conftest import Killed, MemoryRuntime
 from tests.unit.test_stream_rl import DATA, fresh
 
 
@@ -22,34 +23,6 @@ def policy():
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
     zero_value_head(policy)
     return policy
-
-
-class Killed(Exception):
-    """A run killed right after a checkpoint."""
-
-
-class MemoryRuntime:
-    """The runtime protocol of train_ppo with checkpoints kept in memory."""
-
-    rank, world_size = 0, 1
-
-    def __init__(self, checkpoints: list | None = None, kill_after: int | None = None):
-        self.checkpoints = checkpoints if checkpoints is not None else []
-        self.reports: list[tuple[int, dict]] = []
-        self.kill_after = kill_after  # the run dies right after writing this many checkpoints
-
-    def report(self, metrics, step):
-        self.reports.append((step, dict(metrics)))
-
-    def save_checkpoint(self, state):
-        import copy
-
-        self.checkpoints.append(copy.deepcopy(state))
-        if len(self.checkpoints) == self.kill_after:
-            raise Killed
-
-    def load_latest_checkpoint(self):
-        return self.checkpoints[-1] if self.checkpoints else None
 
 
 def test_stream_training_resumes_exactly(policy):

@@ -4,7 +4,6 @@ streams) writes its outputs. The loss's parts: tests/unit/test_dpo.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 
@@ -14,33 +13,10 @@ import torch
 from icrl_core.config import DPOConfig
 from icrl_core.dpo import train_dpo
 from icrl_core.supervised import episode_pairs
+from tests.conftest import Killed, MemoryRuntime
 from tasks.settings import load_config
 from tests.stage_helpers import keyword_rows, stage_args
 from tests.unit.test_dpo import _policy
-
-
-class Killed(Exception):
-    pass
-
-
-class MemoryRuntime:
-    rank, world_size = 0, 1
-
-    def __init__(self, checkpoints=None, kill_after=None):
-        self.checkpoints = checkpoints if checkpoints is not None else []
-        self.kill_after = kill_after
-        self.reports = []
-
-    def report(self, metrics, step):
-        self.reports.append(step)
-
-    def save_checkpoint(self, state):
-        self.checkpoints.append(copy.deepcopy(state))
-        if len(self.checkpoints) == self.kill_after:
-            raise Killed
-
-    def load_latest_checkpoint(self):
-        return self.checkpoints[-1] if self.checkpoints else None
 
 
 def _cfg(**overrides) -> DPOConfig:

@@ -4,36 +4,20 @@ checkpoint resumes to the uninterrupted result."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from icrl_core.training_loop import Schedule, Trainer, run_loop
+from tests.conftest import Killed
+from tests.conftest import MemoryRuntime as SharedRuntime
 
 
-class Killed(Exception):
-    pass
-
-
-class MemoryRuntime:
-    rank, world_size = 0, 1
-
-    def __init__(self, checkpoints=None, kill_after=None):
-        self.checkpoints = checkpoints if checkpoints is not None else []
-        self.kill_after = kill_after
-        self.reports = []
+class MemoryRuntime(SharedRuntime):
+    """The shared in-memory runtime, recording only the steps reported."""
 
     def report(self, metrics, step):
         self.reports.append(step)
-
-    def save_checkpoint(self, state):
-        self.checkpoints.append(copy.deepcopy(state))
-        if len(self.checkpoints) == self.kill_after:
-            raise Killed
-
-    def load_latest_checkpoint(self):
-        return self.checkpoints[-1] if self.checkpoints else None
 
 
 def toy_trainer(with_eval: bool = True) -> tuple[Trainer, torch.nn.Parameter, list]:

@@ -370,7 +370,8 @@ def episode_pairs(rows: Sequence[TokenizedEpisode]) -> list[Pair]:
 def reward_micro_step(reward_model, pairs: Sequence[Pair], n_pairs: int, scale: float = 1.0,
                       backward: bool = True) -> dict[str, float]:
     """Score preferred and rejected sequences in one padded batch; backpropagate
-    scale * sum_i BT_i / n_pairs. Returns loss, accuracy (r+ > r-) and margin (r+ - r-) sums / n_pairs."""
+    scale * sum_i BT_i / n_pairs. Returns loss, accuracy (r+ > r-) and margin (r+ - r-) sums / n_pairs, and the
+    plain sums of the 2B rewards and of their squares (reward_sum, reward_sq_sum: the reward scale, unscaled)."""
     sequences = [p.preferred for p in pairs] + [p.rejected for p in pairs]
     ids, attention = pad_sequences(sequences, reward_model.pad_id)
     rewards = reward_model.forward(ids, attention)  # (2B,)
@@ -380,25 +381,33 @@ def reward_micro_step(reward_model, pairs: Sequence[Pair], n_pairs: int, scale: 
     if backward:
         loss.backward()
     margin = (r_pref - r_rej).detach()
+    detached = rewards.detach().double()
     return {"loss": float(loss.detach()), "accuracy": float((margin > 0).float().sum()) / max(n_pairs, 1) * scale,
-            "margin": float(margin.sum()) / max(n_pairs, 1) * scale}
+            "margin": float(margin.sum()) / max(n_pairs, 1) * scale,
+            "reward_sum": float(detached.sum()), "reward_sq_sum": float((detached ** 2).sum())}
 
 
 @torch.no_grad()
 def evaluate_reward_model(reward_model, pairs: Sequence[Pair], batch_size: int) -> dict:
-    """Validation pairwise accuracy P(r+ > r-), Bradley-Terry loss and mean reward margin."""
+    """Validation pairwise accuracy P(r+ > r-), Bradley-Terry loss, mean reward margin, and the mean and
+    (sample) standard deviation of the 2N rewards: the reward scale PPO sees, from the same forward passes."""
     reward_model.eval()
     mine = distributed.shard(list(pairs))
-    sums = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "pairs": 0.0}
+    keys = ("loss", "accuracy", "margin", "reward_sum", "reward_sq_sum")
+    sums = {key: 0.0 for key in keys} | {"pairs": 0.0}
     for part in chunks(mine, batch_size):
         out = reward_micro_step(reward_model, part, 1, backward=False)  # sums (n_pairs=1)
-        for key in ("loss", "accuracy", "margin"):
+        for key in keys:
             sums[key] += out[key]
         sums["pairs"] += len(part)
     total = _combine(sums)
     n = max(total["pairs"], 1.0)
+    scores = 2 * total["pairs"]
+    mean = total["reward_sum"] / max(scores, 1.0)
+    variance = (total["reward_sq_sum"] - scores * mean ** 2) / (scores - 1) if scores > 1 else 0.0
     return {"val_pairwise_accuracy": total["accuracy"] / n, "val_loss": total["loss"] / n,
-            "val_margin": total["margin"] / n, "val_pairs": total["pairs"]}
+            "val_margin": total["margin"] / n, "val_pairs": total["pairs"],
+            "val_reward_mean": mean, "val_reward_std": math.sqrt(max(variance, 0.0))}
 
 
 def train_reward_model(reward_model, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cfg, seed: int,
@@ -424,8 +433,8 @@ def train_reward_model(reward_model, train_pairs: Sequence[Pair], val_pairs: Seq
         sums: dict[str, float] = {"tokens": 0.0}
         for part in chunks(distributed.shard(pairs), cfg.batch_size):
             out = reward_micro_step(reward_model, part, len(pairs), scale=world)
-            for key, value in out.items():  # scaled by W: their mean over ranks is the global value
-                sums[key] = sums.get(key, 0.0) + value
+            for key in ("loss", "accuracy", "margin"):  # scaled by W: their mean over ranks is the global value
+                sums[key] = sums.get(key, 0.0) + out[key]
             sums["tokens"] += sum(len(p.preferred) + len(p.rejected) for p in part)
         return apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
 

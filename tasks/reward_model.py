@@ -51,13 +51,9 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "accuracy", "val_pairwise_accuracy")) as progress:
         metrics, history = train_reward_model(reward_model, train, val, cfg, config.seed, progress)
     if runtime.rank == 0:
-        stats = {}
-        if val:
-            eval_pairs = val[: cfg.max_eval_pairs]
-            rewards = reward_model.score([p.preferred for p in eval_pairs] + [p.rejected for p in eval_pairs],
-                                         batch_size=cfg.batch_size)
-            stats = {"mean": float(rewards.mean()), "std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                     "pairs": len(eval_pairs)}
+        # the reward scale from the last evaluation's forward passes (no second scoring of the same pairs)
+        stats = ({"mean": metrics["val_reward_mean"], "std": metrics["val_reward_std"], "pairs": int(metrics["val_pairs"])}
+                 if "val_reward_mean" in metrics else {})
         save_reward_model(model_dir(config), reward_model, {
             "base": cfg.base, "start_adapter": str(start_adapter(config) or ""), "reward_stats": stats,
             "metrics": finite(metrics), "torch": torch.__version__,

@@ -13,7 +13,7 @@ from icrl_core.config import LoraAdapter, ModelConfig
 from icrl_core.distributed import shard
 from icrl_core.errors import CheckpointError, UserError
 from icrl_core.reward_model import load_reward_model, new_reward_model, save_reward_model
-from icrl_core.supervised import Pair, episode_pairs, reward_micro_step
+from icrl_core.supervised import Pair, episode_pairs, evaluate_reward_model, reward_micro_step
 from tests.stage_helpers import keyword_rows
 
 TINY = ModelConfig(spec="tiny", adapter=LoraAdapter(rank=4, alpha=8))
@@ -104,3 +104,13 @@ def test_pairs_come_from_tokenized_queries(tokens):
     assert pairs[0].preferred == row.input_ids[:row.query_end[0]]
     assert pairs[0].rejected == row.input_ids[:row.query_start[0]] + row.rejected_ids[0]
     assert pairs[1].preferred == row.input_ids[:row.query_end[1]]
+
+
+def test_evaluation_reports_the_reward_scale_of_the_pairs_it_scored(tokens):
+    pairs = _toy_pairs(tokens, 5)
+    rm = _perturbed()
+    metrics = evaluate_reward_model(rm, pairs, batch_size=2)  # batches of 2, 2, 1 pairs
+    rewards = rm.score([p.preferred for p in pairs] + [p.rejected for p in pairs])
+    assert metrics["val_pairs"] == 5
+    assert metrics["val_reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-5)
+    assert metrics["val_reward_std"] == pytest.approx(float(rewards.std()), abs=1e-5)  # the sample std

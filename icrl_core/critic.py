@@ -738,13 +738,14 @@ class QStep:
 def q_weighted_decode(reference, critic, tokens: CriticTokens, prompt_ids: Sequence[int],
                       critic_prefix_ids: Sequence[int], q_cfg: QSampling, max_new_tokens: int,
                       stop_ids: Sequence[int] = (), trajectory: Sequence[int] | None = None,
-                      generator: torch.Generator | None = None) -> list[QStep]:
+                      generator: torch.Generator | None = None, weighted: bool = True) -> list[QStep]:
     """Q-label a trajectory token by token. At each state s_t (prompt + y[:t] for the policy, critic_prefix + y[:t]
     for the critic: the prompt and earlier attempts with their feedback, `pack_context` with an empty target):
     min-p candidates of pi_ref(.|s_t) (`reference` is a policy: wrap the call in `policy.reference()` to use a
     trained policy's base), Q(s_t, a) for each, log pi_new; the next token is sampled from pi_new (Q-weighted
     sampling) or, given `trajectory`, taken from it (labelling an existing trajectory; its Q is computed even when
-    min-p dropped it). Stops after a token of `stop_ids` or max_new_tokens."""
+    min-p dropped it). Stops after a token of `stop_ids` or max_new_tokens. `weighted=False` is the control: Q = 0
+    for every candidate (no critic pass), so pi_new is pi_ref renormalised over the min-p candidates."""
     reference.eval()
     critic.eval()
     generated: list[int] = []
@@ -763,7 +764,8 @@ def q_weighted_decode(reference, critic, tokens: CriticTokens, prompt_ids: Seque
         scored = candidates[0].tolist()
         if trajectory is not None and trajectory[t] not in scored:
             scored = scored + [int(trajectory[t])]
-        q_all = candidate_q_values(critic, tokens, list(critic_prefix_ids) + generated, scored, q_cfg.value)
+        q_all = (candidate_q_values(critic, tokens, list(critic_prefix_ids) + generated, scored, q_cfg.value)
+                 if weighted else torch.zeros(len(scored)))
         q = q_all[: candidates.shape[1]].unsqueeze(0)
         new_logprobs = q_weighted_logprobs(ref_logprobs, q, mask, q_cfg.tau)
         if trajectory is not None:
@@ -801,11 +803,14 @@ def q_sampling_metrics(critic, tokens: CriticTokens, groups: Sequence[PromptGrou
     trajectories of pi_new (`q_weighted_decode`, pi_ref = the critic's base weights, the critic reading the
     prompt's first K - 1 trajectories and their feedback) against as many of the prompt's plain samples (the
     candidates of `candidate_contexts`), both rewarded by exact match of the answer (`answer_of`: token ids ->
-    answer text) with the gold answer. Prompts with fewer plain candidates than samples are skipped."""
+    answer text) with the gold answer. A third arm separates the critic from the candidate filter: as many
+    samples of pi_ref renormalised over the same min-p candidates, Q weights off (`min_p_sampling_reward`).
+    Differences are paired by prompt, with 95% percentile bootstrap intervals over prompts (`*_low`, `*_high`).
+    Prompts with fewer plain candidates than samples are skipped."""
     from icrl_core.rollout import exact_match
 
     n = cfg.q.eval_samples
-    q_rewards, plain_rewards, prompts = [], [], 0
+    arms: dict[str, list[float]] = {"q_weighted": [], "min_p": [], "plain": []}  # per-prompt mean rewards
     reference = ReferenceView(critic)
     for index, group in enumerate(groups):
         earlier = list(group.trajectories[: cfg.context_trajectories - 1])
@@ -814,17 +819,36 @@ def q_sampling_metrics(critic, tokens: CriticTokens, groups: Sequence[PromptGrou
             continue
         prefix = pack_context(group.prompt_ids, earlier, [], tokens.bins, encode, cfg.feedback_template,
                               cfg.supervise_from).input_ids
-        generator = torch.Generator().manual_seed(seed * 100_003 + index)
-        for _ in range(n):
-            steps = q_weighted_decode(reference, critic, tokens, group.prompt_ids, prefix, cfg.q, max_new_tokens,
-                                      stop_ids, generator=generator)
-            q_rewards.append(exact_match(answer_of([s.token for s in steps]), group.gold))
-        plain_rewards += [t.reward for t in plain]
-        prompts += 1
+        for arm, weighted in (("q_weighted", True), ("min_p", False)):
+            generator = torch.Generator().manual_seed(seed * 100_003 + index)  # the same draws for both arms
+            rewards = []
+            for _ in range(n):
+                steps = q_weighted_decode(reference, critic, tokens, group.prompt_ids, prefix, cfg.q,
+                                          max_new_tokens, stop_ids, generator=generator, weighted=weighted)
+                rewards.append(exact_match(answer_of([s.token for s in steps]), group.gold))
+            arms[arm].append(float(np.mean(rewards)))
+        arms["plain"].append(float(np.mean([t.reward for t in plain])))
     nan = float("nan")
-    return {"q_weighted_reward": float(np.mean(q_rewards)) if q_rewards else nan,
-            "plain_sampling_reward": float(np.mean(plain_rewards)) if plain_rewards else nan,
-            "q_sampling_prompts": float(prompts), "q_samples_per_prompt": float(n)}
+    names = {"q_weighted": "q_weighted_reward", "min_p": "min_p_sampling_reward", "plain": "plain_sampling_reward"}
+    metrics = {names[arm]: float(np.mean(v)) if v else nan for arm, v in arms.items()}
+    for other in ("plain", "min_p"):
+        diff = np.asarray(arms["q_weighted"]) - np.asarray(arms[other])
+        low, high = mean_interval(diff, seed=seed)
+        metrics |= {f"q_minus_{other}": float(diff.mean()) if len(diff) else nan,
+                    f"q_minus_{other}_low": low, f"q_minus_{other}_high": high}
+    return metrics | {"q_sampling_prompts": float(len(arms["plain"])), "q_samples_per_prompt": float(n)}
+
+
+def mean_interval(values: Sequence[float], resamples: int = 2000, level: float = 0.95,
+                  seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (one value per prompt)."""
+    values = np.asarray(values, dtype=float)
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    alpha = (1 - level) / 2
+    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
 
 
 def q_distillation_loss(policy, prompt_ids: Sequence[int], steps: Sequence[QStep]) -> torch.Tensor:

@@ -16,7 +16,8 @@ from tasks.settings import PipelineConfig
 
 STAGE = "critic"
 HEADLINE = ("val_auc", "val_auc_low", "val_auc_high", "val_auc_before", "val_ece", "best_of_n_reward",
-            "random_of_n_reward", "consistency_reward", "q_weighted_reward", "plain_sampling_reward")
+            "random_of_n_reward", "consistency_reward", "q_weighted_reward", "plain_sampling_reward",
+            "min_p_sampling_reward", "q_minus_plain", "q_minus_min_p")
 
 
 def model_dir(config: PipelineConfig) -> Path:

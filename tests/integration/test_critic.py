@@ -49,7 +49,9 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     assert metrics["candidates_per_prompt"] == 5 - 2  # K - 1 = 2 trajectories are the context
     # Q-weighted sampling: 2 samples per held-out prompt against the first 2 plain candidates
     assert metrics["q_sampling_prompts"] == 4 and 0 <= metrics["q_weighted_reward"] <= 1
-    assert 0 <= metrics["plain_sampling_reward"] <= 1
+    assert 0 <= metrics["plain_sampling_reward"] <= 1 and 0 <= metrics["min_p_sampling_reward"] <= 1
+    assert metrics["q_minus_plain"] == pytest.approx(metrics["q_weighted_reward"] - metrics["plain_sampling_reward"])
+    assert metrics["q_minus_plain_low"] <= metrics["q_minus_plain"] <= metrics["q_minus_plain_high"]
     headline = json.loads((in_tmp / "metrics" / "critic.json").read_text())
     assert {"best_of_n_reward", "random_of_n_reward", "consistency_reward", "q_weighted_reward"} <= set(headline)
     page = (out / "q_view.html").read_text()

@@ -34,6 +34,7 @@ from icrl_core.critic import (
     pack_context,
     pad_contexts,
     q_distillation_loss,
+    mean_interval,
     q_weighted_decode,
     q_weighted_logprobs,
     random_of_n,
@@ -340,6 +341,16 @@ def test_q_labelling_and_distillation_on_the_tiny_model(tiny):
                               generator=torch.Generator().manual_seed(3)) for _ in range(2))
     assert [s.token for s in a] == [s.token for s in b] and len(a) == 4
     assert all(s.token in s.candidate_ids for s in a)
+    # the control arm (Q weights off): pi_new is pi_ref renormalised over the kept candidates, Q all zero
+    control = q_weighted_decode(tiny, critic, tokens, prompt, prompt, q_cfg, 8, trajectory=[50, 60, 70],
+                                weighted=False)
+    for s, c in zip(steps, control):
+        assert c.candidate_ids == s.candidate_ids and set(c.q) == {0.0}
+        total = sum(math.exp(lp) for lp in c.ref_logprobs)
+        assert [math.exp(v) for v in c.new_logprobs] == pytest.approx(
+            [math.exp(lp) / total for lp in c.ref_logprobs], abs=1e-5)
+    low, high = mean_interval([0.0, 0.5, 1.0, 0.25], seed=0)
+    assert 0.0 <= low <= 0.4375 <= high <= 1.0  # brackets the mean
     # distillation into a LoRA policy (here the critic's own weights): finite, >= 0, gradients reach the adapter
     loss = q_distillation_loss(critic, prompt, steps)
     loss.backward()

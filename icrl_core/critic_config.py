@@ -77,7 +77,12 @@ class CriticDataConfig(Section):
     temperature: Annotated[float, Field(gt=0, le=10, description="Sampling temperature of the reference "
                                         "policy.")] = 1.0
     batch_size: Annotated[int, Field(ge=1, le=1024, description="Trajectories generated together (one KV "
-                                     "cache).")] = 16
+                                     "cache); each batch draws from a generator seeded by (seed, split, batch "
+                                     "index), so the file does not depend on which worker generates it.")] = 16
+    workers: Annotated[int, Field(ge=0, le=64, description="0: generate in the stage's process. N >= 1: N Ray "
+                                  "tasks (1 CPU, 1 torch thread each; local Ray or ray.address), each loading the "
+                                  "reference policy once and generating every N-th batch; the same file as "
+                                  "0.")] = 0
     output_dir: Annotated[Path, Field(description="Where trajectories.parquet (one row per trajectory) and "
                                       "metrics.json go.")] = Path("artifacts/critic_data")
 

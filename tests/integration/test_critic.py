@@ -81,3 +81,48 @@ def test_critic_data_and_critic_stages_on_the_tiny_model(in_tmp):
     if not any(r["reward"] for r in table if r["split"] == "train"):
         with pytest.raises(UserError, match="no trajectory succeeded"):
             critic_distill.run(with_overrides(distill, {"critic_distill.method": "rft"}))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# critic_data on Ray workers
+
+SMALL_DATA = "critic.data={prompts: 4, val_prompts: 2, samples_per_prompt: 3, max_new_tokens: 4, batch_size: 4}"
+
+
+@pytest.fixture
+def short_tmp(monkeypatch):
+    """A fresh working directory with a short path (a local Ray's sockets live under <cwd>/.icrl/ray)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="icrl-critic-", dir="/tmp"))
+    monkeypatch.chdir(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.integration
+def test_two_ray_workers_write_the_same_trajectories_as_the_stage_process(short_tmp):
+    """critic.data.workers=2: two real Ray tasks on a local Ray (never mocked) each load the tiny reference policy
+    and generate every other batch (4 train prompts x 3 samples in batches of 4, then 2 val prompts: 5 batches);
+    the file is the one the stage's own process writes."""
+    import ray
+
+    from tasks import build_dataset, critic_data
+
+    config = load_config(None, [a for a in stage_args(SMALL_DATA) if a != "--set"], environ={})
+    build_dataset.run(config)
+    path = short_tmp / "artifacts" / "critic_data" / "trajectories.parquet"
+    in_process = critic_data.run(config)
+    expected = pq.read_table(path).to_pylist()
+    path.unlink()
+    try:
+        on_ray = critic_data.run(with_overrides(config, {"critic.data.workers": 2}))
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
+    assert pq.read_table(path).to_pylist() == expected and len(expected) == (4 + 2) * 3
+    assert on_ray["workers"] == 2 and in_process["workers"] == 0
+    assert {k: v for k, v in on_ray.items() if k not in ("seconds", "workers")} == {
+        k: v for k, v in in_process.items() if k not in ("seconds", "workers")}

@@ -455,3 +455,41 @@ def test_the_pipeline_runs_the_critic_stages_only_when_asked():
     with_critic = pipeline_stages("ppo", ROOT, critic=True)
     assert (with_critic.index("build_dataset") < with_critic.index("critic_data") < with_critic.index("critic")
             < with_critic.index("critic_distill"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The critic_data stage's generation: shard-invariant batches
+
+
+def test_generated_rows_do_not_depend_on_how_the_batches_are_shared(tiny):
+    """Each batch draws from its own generator, seeded by (seed, split, batch index): the batches generated in one
+    process in order, or shared by two "workers" each taking them in another order, give identical rows once put
+    back in (split, batch index) order."""
+    from icrl_core.critic import SPLITS, generation_batches, sample_episode_batch
+    from icrl_core.dataset_build import build_episodes, resolve_sources
+    from icrl_core.rollout import Sampling
+    from tests.stage_helpers import keyword_data
+
+    data = keyword_data(num_episodes=8)
+    built = build_episodes(resolve_sources(data, 0), data, 0)
+    episodes = {split: [b.episode for b in built if b.split == split][:3] for split in SPLITS}
+    assert len(episodes["train"]) == 3 and episodes["val"]
+    batches = [b for split in SPLITS for b in generation_batches(episodes[split], 3, 4, split)]
+    assert [(b.split, b.index, len(b.samples)) for b in batches][:3] == [("train", 0, 4), ("train", 1, 4),
+                                                                         ("train", 2, 1)]
+    assert batches[0].samples == (0, 1, 2, 0) and batches[0].prompts[3] is episodes["train"][1]  # prompt-major
+
+    def rows(order, seed=0):
+        keyed = [(batches[i].order, sample_episode_batch(tiny, batches[i], Sampling(temperature=1.0), 4, 2048, seed))
+                 for i in order]
+        return [row for _, part in sorted(keyed, key=lambda item: item[0]) for row in part]
+
+    in_order = rows(range(len(batches)))
+    worker_a, worker_b = list(range(len(batches)))[1::2], list(range(len(batches)))[0::2]
+    assert rows(worker_a[::-1] + worker_b[::-1]) == in_order  # another partition, another order: the same rows
+    assert [(r["split"], r["prompt_id"], r["sample"]) for r in in_order] == [
+        (split, e.episode_id, s) for split in SPLITS for e in episodes[split] for s in range(3)]
+    assert all(r["reward"] == float(r["success"]) == float(r["answer"].strip() == r["gold"].strip())
+               for r in in_order)
+    assert [r["trajectory_ids"] for r in rows(range(len(batches)), seed=1)] != [r["trajectory_ids"]
+                                                                                  for r in in_order]

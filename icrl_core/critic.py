@@ -353,7 +353,7 @@ SPLITS = ("train", "val")  # the trajectories file's splits, in file order
 class GenerationBatch:
     """The `index`-th batch of one split's generation: consecutive jobs of its (prompt, sample) list, prompt-major
     (prompt 0's samples 0..n-1, then prompt 1's, ...; `generation_batches`), generated together (one KV cache).
-    A prompt is a built episode."""
+    A prompt is a built episode (critic.data.source `episodes`) or a code task (`code`)."""
 
     split: str
     index: int
@@ -387,7 +387,7 @@ def trajectory_row(prompt_id: str, split: str, sample: int, rollout, reward: flo
                    gold: str) -> dict:
     """One row of the trajectories file (`TRAJECTORY_COLUMNS`) from a one-query rollout: the prompt as the policy
     saw it (its ids up to the answer), the answer's ids (end-of-turn included when it finished), its reward.
-    `success` (exact match) feeds the stage's metrics and is not written."""
+    `success` (exact match; every test passed) feeds the stage's metrics and is not written."""
     answer = rollout.answers[0]
     return {"prompt_id": prompt_id, "split": split, "sample": sample,
             "prompt_ids": rollout.input_ids[:answer.start], "trajectory_ids": list(answer.token_ids),
@@ -847,7 +847,8 @@ def q_sampling_metrics(critic, tokens: CriticTokens, groups: Sequence[PromptGrou
     answer text) with the gold answer. A third arm separates the critic from the candidate filter: as many
     samples of pi_ref renormalised over the same min-p candidates, Q weights off (`min_p_sampling_reward`).
     Differences are paired by prompt, with 95% percentile bootstrap intervals over prompts (`*_low`, `*_high`).
-    Prompts with fewer plain candidates than samples are skipped."""
+    Prompts with fewer plain candidates than samples are skipped, and so are prompts without a gold answer (code
+    tasks: their reward needs the sandbox, not exact match); with none left the rewards are NaN."""
     from icrl_core.rollout import exact_match
 
     n = cfg.q.eval_samples
@@ -966,8 +967,10 @@ def train_distilled_policy(policy, critic, tokens: CriticTokens, train_groups: S
                      train prompts are indexed), L = `rft_loss`
 
     Evaluation (before the first step and every eval_steps): `dcfg.eval_samples` answers per held-out prompt
-    from the policy (temperature 1, seeded), val_reward = their mean exact-match reward. Single process: the
-    step does not shard prompts over data-parallel workers."""
+    from the policy (temperature 1, seeded), val_reward = their mean exact-match reward. Both exact-match
+    measurements (val_reward, and reverse_kl's sampled_reward) cover only prompts with a gold answer: code tasks
+    have none (NaN when no prompt has one). Single process: the step does not shard prompts over data-parallel
+    workers."""
     from icrl_core.rollout import exact_match
     from icrl_core.supervised import apply_update, batch_indices, make_scheduler
     from icrl_core.training_loop import Schedule, Trainer, run_loop
@@ -1004,7 +1007,7 @@ def train_distilled_policy(policy, critic, tokens: CriticTokens, train_groups: S
                 sums["loss"] += float(loss.detach())
                 sums["tokens"] += sum(len(x) + len(y) for x, y in part)
         else:
-            q_values = []
+            q_values, sampled_rewards = [], []
             for slot, (prompt_ids, group) in enumerate(drawn):
                 prefix = pack_context(prompt_ids, list(group.trajectories[: cfg.context_trajectories - 1]), [],
                                       tokens.bins, encode, cfg.feedback_template, cfg.supervise_from).input_ids
@@ -1017,15 +1020,18 @@ def train_distilled_policy(policy, critic, tokens: CriticTokens, train_groups: S
                 loss.backward()
                 sums["loss"] += float(loss.detach())
                 sums["tokens"] += len(prompt_ids) + len(steps)
-                sums["sampled_reward"] = sums.get("sampled_reward", 0.0) + exact_match(
-                    answer_of([s.token for s in steps]), group.gold) / len(drawn)
+                if group.gold:  # exact match needs a gold answer (code tasks have none)
+                    sampled_rewards.append(exact_match(answer_of([s.token for s in steps]), group.gold))
                 q_values += [s.token_q for s in steps]
+            sums["sampled_reward"] = float(np.mean(sampled_rewards)) if sampled_rewards else float("nan")
             sums["token_q"] = float(np.mean(q_values)) if q_values else float("nan")
         return apply_update(params, optimizer, scheduler, dcfg.max_grad_norm, sums, 1, began)
 
     def evaluate() -> dict[str, float]:
         rewards = []
         for index, group in enumerate(val_groups):
+            if not group.gold:  # exact match needs a gold answer (code tasks have none)
+                continue
             generator = torch.Generator().manual_seed(seed * 100_003 + index)
             for answer in sample_answers(policy, group.prompt_ids, dcfg.eval_samples, max_new_tokens, stop_ids,
                                          generator):

@@ -1,8 +1,10 @@
 """Stage `critic_data`: trajectories for the in-context critic (docs/CRITIC.md). critic.data.samples_per_prompt
-answers to the first query (its exemplars in context) of the first critic.data.prompts train episodes and
-critic.data.val_prompts val episodes of the built dataset (data.output_dir), sampled from the reference policy
-(`model`, with model.init_adapter when set) at critic.data.temperature and rewarded by exact match with the gold
-answer.
+answers to each of critic.data.prompts train prompts and critic.data.val_prompts held-out prompts, sampled from
+the reference policy (`model`, with model.init_adapter when set) at critic.data.temperature. The prompts
+(critic.data.source): `episodes`, the first query of the first built episodes of each split (data.output_dir),
+rewarded by exact match with the gold answer; `code`, code tasks (train split / held-out test split, a seeded
+sample over the levels) prompted as code RL prompts them, each program run in the sandbox and rewarded by the
+composed code reward (`code.reward`).
 
 The jobs (prompt, sample) of each split are cut into batches of critic.data.batch_size, each batch drawing from its
 own generator seeded by (seed, split, batch index) (icrl_core/critic.py `batch_generator`). With
@@ -12,7 +14,8 @@ generate every N-th batch. Rows are put back in (split, batch index) order: the 
 
 Outputs (atomic): critic.data.output_dir/trajectories.parquet (one row per trajectory: prompt_id, split, sample,
 prompt_ids, trajectory_ids, reward, length, finished, answer, gold), metrics.json; metrics/critic_data.json;
-MLflow metrics. Sampling is seeded by `seed`: a rerun writes the same file.
+MLflow metrics. Sampling is seeded by `seed`: a rerun writes the same file (code: up to the time-efficiency bonus,
+which measures the tests' run time).
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ HEADLINE = ("trajectories", "train_success_rate", "val_success_rate")
 
 
 def trajectories_path(config: PipelineConfig) -> Path:
-    return Path(config.critic.data.output_dir) / "trajectories.parquet"
+    return config.critic.data.trajectories_path
 
 
 def split_prompts(config: PipelineConfig) -> dict[str, list]:
-    """The prompts of each split: the first built episodes."""
-    from icrl_core.episodes import read_episodes
+    """The prompts of each split: built episodes (source episodes) or code tasks (source code)."""
     from icrl_core.errors import UserError
 
     cfg = config.critic.data
     wanted = {"train": cfg.prompts, "val": cfg.val_prompts}
+    if cfg.source == "code":
+        from icrl_core.code_rl import CodeTaskSet, eval_sample
+
+        task_set = CodeTaskSet.from_config(config.code)
+        pools = {"train": task_set.train, "val": task_set.test}  # held out: templates code RL never trains on
+        return {split: eval_sample(pools[split], count, config.seed) for split, count in wanted.items()}
+    from icrl_core.episodes import read_episodes
 
     folder = Path(config.data.output_dir)
     prompts = {split: read_episodes(folder / f"{split}.jsonl")[:count] if count else []
@@ -58,11 +67,18 @@ def all_batches(config: PipelineConfig, prompts: dict[str, list]) -> list:
 def sample_batches(config: PipelineConfig, policy, batches) -> list[tuple[tuple[int, int], list[dict]]]:
     """Each batch's rows, keyed by its place in the file (`GenerationBatch.order`)."""
     from icrl_core.critic import sample_episode_batch
+    from icrl_core.critic_code import sample_code_batch
     from icrl_core.rollout import Sampling
 
     cfg = config.critic.data
     sampling = Sampling(temperature=cfg.temperature)
     max_tokens = min(config.data.episode_tokens + cfg.max_new_tokens, policy.context_window)
+    if cfg.source == "code":
+        from icrl_core.code_rl import CodeTaskSet
+
+        shot = CodeTaskSet.from_config(config.code).shot
+        return [(batch.order, sample_code_batch(policy, batch, shot, config.code, sampling, cfg.max_new_tokens,
+                                                max_tokens, config.seed)) for batch in batches]
     return [(batch.order, sample_episode_batch(policy, batch, sampling, cfg.max_new_tokens, max_tokens,
                                                config.seed)) for batch in batches]
 
@@ -129,7 +145,7 @@ def generate(config: PipelineConfig) -> tuple[dict, list[dict]]:
 
 
 def split_metrics(split: str, rows: list[dict]) -> dict:
-    """Success rate (exact match), mean reward, mean length, share cut at
+    """Success rate (exact match; code: every test passed), mean reward, mean length, share cut at
     max_new_tokens, and the prompts with mixed outcomes: some but not all of their samples succeed (only there
     does reading the earlier attempts tell the critic anything beyond the prompt)."""
     import numpy as np

@@ -20,7 +20,8 @@ class CriticBins(Section):
 
     reward_values: Annotated[list[float], Field(min_length=2, max_length=64, description="The reward each reward "
                                                 "bin stands for, increasing; a reward falls in the bin of the "
-                                                "nearest value (a tie goes up). Task rewards are 0/1: [0, 1].")] = [
+                                                "nearest value (a tie goes up). Task rewards are 0/1: [0, "
+                                                "1]; code rewards need more values (docs/CRITIC.md).")] = [
         0.0, 1.0]
     length_edges: Annotated[list[Annotated[int, Field(ge=1)]], Field(
         min_length=1, max_length=63, description="Increasing edges of the remaining-length bins, in tokens: bin 0 "
@@ -64,22 +65,43 @@ class QSampling(Section):
 
 class CriticDataConfig(Section):
     """The critic_data stage: trajectories sampled from the reference policy (`model`, with model.init_adapter if
-    set) for the first query of built episodes (data.output_dir: the train split for training prompts, the val
-    split for held-out ones), each rewarded by exact match with the gold answer (the task reward of the rollouts)."""
+    set). Source `episodes`: answers to the first query of built episodes (data.output_dir: the train split for
+    training prompts, the val split for held-out ones), rewarded by exact match with the gold answer (the task
+    reward of the rollouts). Source `code`: completions of code tasks (the `code` section's family: train-split
+    tasks for training prompts, held-out test-split tasks for held-out ones), rewarded by the composed code reward
+    of the sandbox (`code.reward`)."""
 
-    prompts: Annotated[int, Field(ge=1, le=100000, description="Training prompts (the first query of the first "
-                                  "N train episodes).")] = 48
-    val_prompts: Annotated[int, Field(ge=0, le=100000, description="Held-out prompts (from the val split): the "
-                                      "critic's AUC, calibration and best-of-n are measured on them.")] = 16
+    source: Annotated[Literal["episodes", "code"], Field(
+        description="Where the prompts come from. episodes: the first query of built episodes, reward = exact "
+        "match (0/1). code: code tasks as code RL prompts them, reward = the composed code reward of the sandbox "
+        "(continuous, up to about 2.3 with the default code.reward; set critic.bins.reward_values to span it, "
+        "docs/CRITIC.md), gold empty.")] = "episodes"
+    prompts: Annotated[int, Field(ge=1, le=100000, description="Training prompts (episodes: the first query of "
+                                  "the first N train episodes; code: N train-split tasks, a seeded sample spread "
+                                  "over the difficulty levels).")] = 48
+    val_prompts: Annotated[int, Field(ge=0, le=100000, description="Held-out prompts (episodes: from the val "
+                                      "split; code: test-split tasks, sampled as the training ones): the critic's "
+                                      "AUC, calibration and best-of-n are measured on them.")] = 16
     samples_per_prompt: Annotated[int, Field(ge=2, le=256, description="Trajectories sampled per prompt.")] = 8
     max_new_tokens: Annotated[int, Field(ge=1, le=1024, description="Longest trajectory, in tokens (a cut one "
-                                         "is kept, marked unfinished).")] = 16
+                                         "is kept, marked unfinished). Code: room for the whole function, e.g. "
+                                         "160 as code RL (ppo.code.max_new_tokens).")] = 16
     temperature: Annotated[float, Field(gt=0, le=10, description="Sampling temperature of the reference "
                                         "policy.")] = 1.0
     batch_size: Annotated[int, Field(ge=1, le=1024, description="Trajectories generated together (one KV "
-                                     "cache).")] = 16
+                                     "cache); each batch draws from a generator seeded by (seed, split, batch "
+                                     "index), so the file does not depend on which worker generates it.")] = 16
+    workers: Annotated[int, Field(ge=0, le=64, description="0: generate in the stage's process. N >= 1: N Ray "
+                                  "tasks (1 CPU, 1 torch thread each; local Ray or ray.address), each loading the "
+                                  "reference policy once and generating every N-th batch; the same file as "
+                                  "0.")] = 0
     output_dir: Annotated[Path, Field(description="Where trajectories.parquet (one row per trajectory) and "
                                       "metrics.json go.")] = Path("artifacts/critic_data")
+
+    @property
+    def trajectories_path(self) -> Path:
+        """The trajectories file the critic_data stage writes and the critic's stages read."""
+        return self.output_dir / "trajectories.parquet"
 
 
 class CriticDistillConfig(OptimFields):

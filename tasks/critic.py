@@ -27,11 +27,18 @@ def model_dir(config: PipelineConfig) -> Path:
 def read_groups(config: PipelineConfig):
     from icrl_core.critic import read_trajectory_groups
     from icrl_core.errors import UserError
-    from tasks.critic_data import trajectories_path
 
-    groups = read_trajectory_groups(trajectories_path(config))
+    path = config.critic.data.trajectories_path
+    groups = read_trajectory_groups(path)
     if not groups.get("train"):
-        raise UserError(f"{trajectories_path(config)} has no train trajectories: run `icrl stage critic_data`")
+        raise UserError(f"{path} has no train trajectories: run `icrl stage critic_data`")
+    rewards = [t.reward for part in groups.values() for g in part for t in g.trajectories]
+    values = config.critic.bins.reward_values
+    if min(rewards) < values[0] or max(rewards) > values[-1]:
+        # a reward past an end would silently fall in that end's bin: E[r] and P(success) would mean less
+        raise UserError(f"the trajectories' rewards span [{min(rewards):g}, {max(rewards):g}], beyond "
+                        f"critic.bins.reward_values {values}: set values spanning them (code rewards: "
+                        "docs/CRITIC.md)")
     return groups.get("train", []), groups.get("val", [])
 
 

@@ -400,6 +400,15 @@ def test_distillation_and_rejection_fine_tuning_train_the_policy(method, untrain
     assert any(not torch.equal(before[k], after[k]) for k in before)
     if method == "reverse_kl":
         assert 0 <= history[0]["sampled_reward"] <= 1 and math.isfinite(history[0]["token_q"])
+    # prompts without a gold answer (code tasks): trained on, but no exact-match reward is measured on them
+    gold_less = [PromptGroup(g.prompt_ids, g.trajectories, g.prompt_id) for g in groups]
+    one_step = distill.model_copy(update={"max_steps": 1, "eval_steps": 1, "save_steps": 1})
+    metrics, history = train_distilled_policy(policy, critic, tokens, gold_less, gold_less[:2], cfg, one_step,
+                                              lambda text: [9], lambda ids: "", (2,), seed=0,
+                                              runtime=MemoryRuntime())
+    assert math.isfinite(history[0]["loss"]) and metrics["val_samples"] == 0 and math.isnan(metrics["val_reward"])
+    if method == "reverse_kl":
+        assert math.isnan(history[0]["sampled_reward"])  # an empty answer would have matched the empty gold
 
 
 def test_evaluate_critic_reads_each_supervised_trajectory_once(untrained_critic):
@@ -455,3 +464,61 @@ def test_the_pipeline_runs_the_critic_stages_only_when_asked():
     with_critic = pipeline_stages("ppo", ROOT, critic=True)
     assert (with_critic.index("build_dataset") < with_critic.index("critic_data") < with_critic.index("critic")
             < with_critic.index("critic_distill"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The critic_data stage's generation: shard-invariant batches
+
+
+def test_generated_rows_do_not_depend_on_how_the_batches_are_shared(tiny):
+    """Each batch draws from its own generator, seeded by (seed, split, batch index): the batches generated in one
+    process in order, or shared by two "workers" each taking them in another order, give identical rows once put
+    back in (split, batch index) order."""
+    from icrl_core.critic import SPLITS, generation_batches, sample_episode_batch
+    from icrl_core.dataset_build import build_episodes, resolve_sources
+    from icrl_core.rollout import Sampling
+    from tests.stage_helpers import keyword_data
+
+    data = keyword_data(num_episodes=8)
+    built = build_episodes(resolve_sources(data, 0), data, 0)
+    episodes = {split: [b.episode for b in built if b.split == split][:3] for split in SPLITS}
+    assert len(episodes["train"]) == 3 and episodes["val"]
+    batches = [b for split in SPLITS for b in generation_batches(episodes[split], 3, 4, split)]
+    assert [(b.split, b.index, len(b.samples)) for b in batches][:3] == [("train", 0, 4), ("train", 1, 4),
+                                                                         ("train", 2, 1)]
+    assert batches[0].samples == (0, 1, 2, 0) and batches[0].prompts[3] is episodes["train"][1]  # prompt-major
+
+    def rows(order, seed=0):
+        keyed = [(batches[i].order, sample_episode_batch(tiny, batches[i], Sampling(temperature=1.0), 4, 2048, seed))
+                 for i in order]
+        return [row for _, part in sorted(keyed, key=lambda item: item[0]) for row in part]
+
+    in_order = rows(range(len(batches)))
+    worker_a, worker_b = list(range(len(batches)))[1::2], list(range(len(batches)))[0::2]
+    assert rows(worker_a[::-1] + worker_b[::-1]) == in_order  # another partition, another order: the same rows
+    assert [(r["split"], r["prompt_id"], r["sample"]) for r in in_order] == [
+        (split, e.episode_id, s) for split in SPLITS for e in episodes[split] for s in range(3)]
+    assert all(r["reward"] == float(r["success"]) == float(r["answer"].strip() == r["gold"].strip())
+               for r in in_order)
+    assert [r["trajectory_ids"] for r in rows(range(len(batches)), seed=1)] != [r["trajectory_ids"]
+                                                                                  for r in in_order]
+
+
+def test_the_critic_stage_refuses_rewards_beyond_its_reward_bins(in_tmp):
+    """Code rewards (up to ~2.3) with the default bins [0, 1] would all land in the top bin: a clear error."""
+    from icrl_core.critic import trajectory_table_bytes
+    from icrl_core.errors import UserError
+    from tasks.critic import read_groups
+    from tasks.settings import load_config
+
+    row = {"prompt_id": "t", "split": "train", "sample": 0, "prompt_ids": [1, 2], "trajectory_ids": [3],
+           "reward": 2.2, "length": 1, "finished": True, "answer": "x", "gold": "", "success": True}
+    path = in_tmp / "artifacts" / "critic_data" / "trajectories.parquet"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(trajectory_table_bytes([row, {**row, "sample": 1, "reward": 0.0, "success": False}]))
+    with pytest.raises(UserError, match=r"rewards span \[0, 2.2\], beyond critic.bins.reward_values \[0.0, 1.0\]"):
+        read_groups(load_config(None, [], environ={}))
+    code_bins = "critic.bins={reward_values: [0.0, 0.4, 0.8, 1.2, 2.0, 2.3], success_threshold: 1.5}"
+    fitting = load_config(None, [code_bins], environ={})  # the bins docs/CRITIC.md gives for code
+    (train,), val = read_groups(fitting)
+    assert [t.reward for t in train.trajectories] == [2.2, 0.0] and train.gold == "" and val == []

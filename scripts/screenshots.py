@@ -16,6 +16,9 @@ deployment through the REST API with a parameter (what the UI's "Run" does), wai
                                                losses, validation accuracy)
     docs/screenshots/mlflow-model.png          the registered model, its versions and aliases
 
+With --q-view artifacts/critic/q_view.html it only saves docs/screenshots/critic-q-view.png (the critic stage's
+self-contained page of tokens coloured by Q-value; docs/CRITIC.md).
+
 Needs a Chromium binary (`apt-get install chromium`; --chromium to point at another) and, for the run's curves,
 the `screenshots` extra (Playwright, driving that same Chromium: a run's metric page renders its charts only in
 real time, not under --virtual-time-budget).
@@ -87,9 +90,18 @@ def main() -> None:
     parser.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
     parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
     parser.add_argument("--registered-model", default="icrl-policy")
+    parser.add_argument("--q-view", type=Path, metavar="HTML",
+                        help="only shoot the critic stage's Q-value view (e.g. artifacts/critic/q_view.html) to "
+                        "OUT/critic-q-view.png; no services are started")
     args = parser.parse_args()
     if not args.chromium:
         sys.exit("no chromium found: apt-get install chromium, or pass --chromium PATH")
+    if args.q_view:
+        if not args.q_view.is_file():
+            sys.exit(f"{args.q_view}: no such file (run `icrl stage critic` first)")
+        shoot(args.chromium, args.q_view.resolve().as_uri(), args.out / "critic-q-view.png", wait_ms=2000,
+              size="1100,700")
+        return
 
     import httpx
     import mlflow

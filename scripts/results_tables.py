@@ -299,7 +299,8 @@ def stream_rl_gate() -> str:
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
     for name, s in sorted(results["settings"].items()):
         v = s["validation_training_tasks"]
-        rows.append([f"setting {name} ({s['iterations']} iterations)", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
+        label = f"{s['iterations']} iterations" + (" after setting 2's 40" if name == "3" else "")
+        rows.append([f"setting {name} ({label})", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
                      _signed(s["gate1_gap"]), "passed" if s["gate1_passed"] else "failed",
                      f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
                      f" -> {v['val_switch_after_wrong'][1]:.2f}"])

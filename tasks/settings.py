@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -584,7 +585,7 @@ def _variants(annotation: Any) -> Any:
         return _variants(get_args(annotation)[0])
     if origin in (list, dict):
         return _variants(get_args(annotation)[-1])
-    if origin is Union or str(origin) == "types.UnionType":
+    if origin is Union or origin is types.UnionType:
         found = [a for a in (_variants(x) for x in get_args(annotation)) if a is not None]
         flat = []
         for item in found:

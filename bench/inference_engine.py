@@ -204,8 +204,8 @@ def _strip(run: dict) -> dict:
 
 
 def aggregate(args) -> dict:
-    from tasks.settings import load_config
     from tasks.evaluate import run_evaluations
+    from tasks.settings import load_config
 
     modes = [("pool", {"inference.streams": 1}, 2),
              ("streams", {"inference.streams": args.streams, "inference.fuse_streams": False}, 1),
@@ -253,8 +253,14 @@ def vllm_vs_torch(args) -> dict:
     import torch
 
     from icrl_core.config import EvalConfig
-    from icrl_core.icrl_eval import (EpisodeRecord, Predictor, max_context_examples, render_context, render_query,
-                                     show_for)
+    from icrl_core.icrl_eval import (
+        EpisodeRecord,
+        Predictor,
+        max_context_examples,
+        render_context,
+        render_query,
+        show_for,
+    )
     from icrl_core.inference.base import walk_scores
     from icrl_core.inference.torch_backend import TorchEngine
     from icrl_core.inference.vllm_backend import VllmEngine

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from icrl_core.batching import pad_sequences
 from icrl_core.chat import chat_prompt_ids
 from icrl_core.device import to_device
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_text
-from icrl_core.batching import pad_sequences
 from icrl_core.objectives import kl_policy_base
 
 

@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from icrl_core.config import EvalConfig, FrozenAdapter
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json, atomic_write_text
 from icrl_core.task_data import task_label
+from tasks.settings import PipelineConfig
 
 STAGE = "icrl_eval"
 # Fields that change speed or bookkeeping only; a resumed run may change them.
@@ -350,8 +350,16 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     share one, each from its own thread), else one is made for this run."""
     import torch
 
-    from icrl_core.icrl_eval import (DebugEvent, EvaluationEvent, Predictor, StepEvent, history_from_events,
-                                     is_supervised, run_protocol, summarize)
+    from icrl_core.icrl_eval import (
+        DebugEvent,
+        EvaluationEvent,
+        Predictor,
+        StepEvent,
+        history_from_events,
+        is_supervised,
+        run_protocol,
+        summarize,
+    )
     from tasks.tracking import stage_run
 
     cfg = config.icrl_eval

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Protocol
 
 from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
-from tasks.settings import PipelineConfig
 from icrl_core.io import atomic_write_json
+from tasks.settings import PipelineConfig
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,20 @@ import pydantic_core
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConfig, DataConfig, DPOConfig,
-                              EvalConfig, EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter,
-                              LoraAdapter, MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig,
-                              Section, SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
+from icrl_core.config import (
+    AdaptConfig,
+    BootstrapConfig,
+    CodeConfig,
+    DataConfig,
+    DPOConfig,
+    EvalConfig,
+    EvaluateConfig,
+    ModelConfig,
+    PPOConfig,
+    RewardModelConfig,
+    Section,
+    TokenizeConfig,
+)
 from icrl_core.critic_config import CriticConfig, CriticDistillConfig
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
@@ -96,7 +106,7 @@ class Choice(Section):
     values: Annotated[list[Any], Field(min_length=1)]
 
 
-SearchDomain = Annotated[Union[LogUniform, Uniform, Choice], Field(discriminator="kind")]
+SearchDomain = Annotated[LogUniform | Uniform | Choice, Field(discriminator="kind")]
 
 
 class SweepConfig(Section):

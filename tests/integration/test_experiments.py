@@ -88,10 +88,9 @@ def test_a_failed_experiment_restores_params_and_saves_nothing(project):
     from flows.pipeline import dvc_experiment
 
     before = _snapshot(project)
-    with pytest.raises(RuntimeError, match="stage failed"):
-        with dvc_experiment({"ppo.kl_beta": 0.7}, "broken"):
-            _dvc("repro", cwd=project)
-            raise RuntimeError("stage failed")
+    with pytest.raises(RuntimeError, match="stage failed"), dvc_experiment({"ppo.kl_beta": 0.7}, "broken"):
+        _dvc("repro", cwd=project)
+        raise RuntimeError("stage failed")
     assert _snapshot(project) == before
     assert not _run("git", "for-each-ref", "refs/exps", cwd=project).stdout.strip()
     with pytest.raises(UserError, match="exists already"):

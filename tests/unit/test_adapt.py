@@ -80,8 +80,8 @@ def test_adaptation_trains_a_temporary_copy_and_restores_the_adapter(scorer):
 def test_minibatched_steps_give_the_one_batch_gradient_and_rollouts_come_in_chunks():
     """The adapt stage bounds memory (rollout_batch, minibatch_size) without changing what a step computes."""
     from icrl_core.adapt import accumulate_answer_nll, answer_nll, sample_rollouts
-    from icrl_core.rollout import score_rollouts
     from icrl_core.model import load_policy
+    from icrl_core.rollout import score_rollouts
     from tests.ppo_helpers import keyword_episodes
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))

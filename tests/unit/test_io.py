@@ -87,13 +87,11 @@ def test_replace_and_no_overwrite_in_both_modes(tmp_path, monkeypatch):
             with atomic_dir(target) as tmp:
                 (tmp / "file.txt").write_text(text)
             assert (target / "file.txt").read_text() == text
-        with pytest.raises(FileExistsError):
-            with atomic_dir(target, overwrite=False) as tmp:
-                (tmp / "file.txt").write_text("three")
+        with pytest.raises(FileExistsError), atomic_dir(target, overwrite=False) as tmp:
+            (tmp / "file.txt").write_text("three")
         assert (target / "file.txt").read_text() == "two" and _hidden(target) == []
         # a failure inside the block leaves the old version and no temporary folder
-        with pytest.raises(RuntimeError):
-            with atomic_dir(target) as tmp:
-                (tmp / "file.txt").write_text("half")
-                raise RuntimeError("writer failed")
+        with pytest.raises(RuntimeError), atomic_dir(target) as tmp:
+            (tmp / "file.txt").write_text("half")
+            raise RuntimeError("writer failed")
         assert (target / "file.txt").read_text() == "two" and _hidden(target) == []

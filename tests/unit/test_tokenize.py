@@ -7,11 +7,19 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.settings import load_config
 from icrl_core.episodes import read_episodes, render_episode, write_episodes
 from icrl_core.errors import UserError
-from icrl_core.tokenized import (SCHEMA, content_hash, read_tokenized, tokenize_episodes, tokenized_path,
-                                 tokenized_stats, tokenizer_identity, write_tokenized)
+from icrl_core.tokenized import (
+    SCHEMA,
+    content_hash,
+    read_tokenized,
+    tokenize_episodes,
+    tokenized_path,
+    tokenized_stats,
+    tokenizer_identity,
+    write_tokenized,
+)
+from tasks.settings import load_config
 from tests.conftest import ROOT
 from tests.stage_helpers import stage_args
 

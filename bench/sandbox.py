@@ -43,7 +43,7 @@ def bare(program: str, stdin: str) -> str:
         Path(tmp, "solution.py").write_text(program)
         # as in the sandbox: the working directory on sys.path, the harness as __main__
         out = subprocess.run([_python(), "-I", "-S", "-B", "-c", "import sys; sys.path.insert(0, '.')\n" + _HARNESS],
-                             input=stdin, capture_output=True, text=True, cwd=tmp, timeout=30)
+                             input=stdin, check=False, capture_output=True, text=True, cwd=tmp, timeout=30)
         return out.stdout
 
 

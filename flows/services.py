@@ -107,7 +107,8 @@ class Services:
 
     def ensure_work_pool(self, pool: str = WORK_POOL) -> None:
         env = prefect_env(self.prefect_api)
-        found = subprocess.run([_bin("prefect"), "work-pool", "inspect", pool], capture_output=True, env=env)
+        found = subprocess.run([_bin("prefect"), "work-pool", "inspect", pool], check=False, capture_output=True,
+                               env=env)
         if found.returncode != 0:
             subprocess.run([_bin("prefect"), "work-pool", "create", pool, "--type", "process"], check=True,
                            capture_output=True, env=env)
@@ -116,7 +117,7 @@ class Services:
         """`prefect deploy --all` from prefect.yaml (deployments run in `project_dir`)."""
         env = prefect_env(self.prefect_api)
         env["ICRL_PROJECT_DIR"] = str((project_dir or Path.cwd()).resolve())
-        result = subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], capture_output=True,
+        result = subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], check=False, capture_output=True,
                                 text=True, env=env, cwd=project_dir)
         if result.returncode != 0:
             raise RuntimeError(f"prefect deploy failed:\n{result.stdout}\n{result.stderr}")

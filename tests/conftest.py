@@ -75,7 +75,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 
     exe = Path(sys.executable).parent / "icrl"
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, capture_output=True, text=True,
+    return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, check=False, capture_output=True, text=True,
                           timeout=timeout)
 
 

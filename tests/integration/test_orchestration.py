@@ -64,7 +64,7 @@ def _free_port() -> int:
 
 def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
-    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    result = subprocess.run(args, cwd=cwd, check=False, capture_output=True, text=True, timeout=timeout, env=full_env)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 

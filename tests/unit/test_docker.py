@@ -19,7 +19,7 @@ COMPOSE = ROOT / "docker" / "compose.yaml"
 
 def test_dockerfile_passes_hadolint():
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
+    result = subprocess.run([hadolint, str(DOCKERFILE)], check=False, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -7,6 +7,7 @@ folder as the stages (mlflow.db, mlartifacts/), so the UI shows every run.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ def wait_http(url: str, timeout: float = 120.0, process: subprocess.Popen | None
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status < 500:
                     return
-        except Exception:
+        except (OSError, http.client.HTTPException):  # not listening yet, reset, or a 5xx (HTTPError)
             time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 

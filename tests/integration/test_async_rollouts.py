@@ -179,8 +179,8 @@ def train(policy, config, runtime, pool=None):
 
 
 def timeless(rows, drop=()):
-    return [{k: (None if v != v else v) for k, v in row.items() if "seconds" not in k and k not in drop}
-            for row in rows]
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()
+             if "seconds" not in k and k not in drop} for row in rows]
 
 
 def test_the_lag_bound_holds_and_level_0_is_the_synchronous_run(pool, policy):

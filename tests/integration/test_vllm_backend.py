@@ -135,7 +135,7 @@ def test_trie_scores_match_the_exact_reference(engine, reference, task):
         picks = []
         for scores in (got, want):
             rng = np.random.default_rng(7)
-            draw = lambda node, v, rng=rng: sample_child(v, temperature, rng)
+            draw = lambda node, v, rng=rng, temperature=temperature: sample_child(v, temperature, rng)
             picks.append([trie.label_of_leaf[walk_scores(trie, s, draw)] for s in scores for _ in range(5)])
         assert picks[0] == picks[1]
 

@@ -550,7 +550,7 @@ def _all_tags(model: type[BaseModel] | None = None, seen: set | None = None) -> 
 
 
 
-def _mapping_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
+def _mapping_fields(model: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
     """Dotted paths of dict-typed fields (replaced, not merged, by overrides)."""
     model = model or PipelineConfig
     found = set()

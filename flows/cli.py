@@ -154,7 +154,7 @@ def run_pipeline_with_summary(out) -> dict:
     table = Table("stage", "result")
     for stage, metrics in results.items():  # each stage's headline numbers (metrics/STAGE.json)
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-        table.add_row(stage, shown or "(see metrics/%s.json)" % stage)
+        table.add_row(stage, shown or f"(see metrics/{stage}.json)")
     out.print(table)
     out.print(f"pipeline wall time {seconds / 60:.1f} min; metrics in metrics/, artifacts in artifacts/, runs in "
               "MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`), learning curves: "

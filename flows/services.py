@@ -70,9 +70,9 @@ class Services:
     def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
         logs = STATE_DIR / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        handle = open(logs / f"{name}.log", "ab")
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+        with open(logs / f"{name}.log", "ab") as handle:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
         self.processes[name] = process
         return process
 

@@ -48,7 +48,7 @@ class ReplaySequence:
 
 def replay_prompts(texts: Sequence[str], n: int, seed: int) -> list[str]:
     """n distinct user turns drawn uniformly (without replacement) from `texts`."""
-    unique = sorted(set(t.strip() for t in texts if t.strip()))
+    unique = sorted({t.strip() for t in texts if t.strip()})
     if len(unique) < n:
         raise UserError(f"replay asks for {n} prompts but its tasks hold {len(unique)} distinct training texts")
     return random.Random(seed).sample(unique, n)

@@ -78,7 +78,7 @@ class JsonlLog:
 
     def __init__(self, path: Path):
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8")
+        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across appends; close() closes it
 
     def append(self, record: dict, sync: bool = False) -> None:
         self._handle.write(json.dumps(record) + "\n")
@@ -326,8 +326,8 @@ def prepare_run_dir(config: PipelineConfig, resume: bool) -> tuple[Path, list[di
         if not (run_dir / "config.json").exists():
             raise UserError(f"{run_dir}: not an icrl eval run folder (no config.json)")
         _check_resumable(run_dir, config)
-        steps, dropped = read_jsonl(run_dir / "steps.jsonl")
-        tests, dropped_tests = read_jsonl(run_dir / "tests.jsonl")
+        steps, _ = read_jsonl(run_dir / "steps.jsonl")
+        tests, _ = read_jsonl(run_dir / "tests.jsonl")
         steps = list(itertools.takewhile(lambda pair: pair[1]["step"] == pair[0], enumerate(steps)))
         steps = [record for _, record in steps]
         # A test is logged before its step; a test of an unfinished step is redone.

@@ -42,7 +42,7 @@ def test_dpo_raises_preference_accuracy_and_resumes_exactly(tokens):
     with pytest.raises(Killed):
         train_dpo(_policy(), pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved, kill_after=2))
     resumed_policy = _policy()
-    resumed, resumed_history = train_dpo(resumed_policy, pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved))
+    _, resumed_history = train_dpo(resumed_policy, pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved))
     timeless = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
     assert timeless(resumed_history) == timeless(history)
     assert all(torch.equal(weights[k], v) for k, v in resumed_policy.trainable_state_dict().items())

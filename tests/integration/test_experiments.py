@@ -98,9 +98,9 @@ def test_a_failed_experiment_restores_params_and_saves_nothing(project):
             _dvc("repro", cwd=project)
         with dvc_experiment({"ppo.kl_beta": 0.6}, "named"):
             pass
-    with pytest.raises(Exception, match="ppo.kl_beta"):  # an invalid value fails before anything runs
-        with dvc_experiment({"ppo.kl_beta": "lots"}, "invalid"):
-            pass
+    # an invalid value fails before anything runs
+    with pytest.raises(Exception, match="ppo.kl_beta"), dvc_experiment({"ppo.kl_beta": "lots"}, "invalid"):
+        pass
     assert (project / "params.yaml").read_bytes() == before["params.yaml"]
 
 

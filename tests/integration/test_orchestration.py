@@ -258,7 +258,8 @@ def test_a_bootstrap_rerun_with_the_same_weights_reruns_nothing_downstream(proje
     _run([str(BIN / "dvc"), "repro", "--force", "--single-item", "bootstrap"], project)
     assert (project / "artifacts" / "bootstrap" / "adapter" / "adapter_model.safetensors").read_bytes() == before
     assert bootstrap_lock()["artifacts/bootstrap"] != old["artifacts/bootstrap"]  # metrics.json's timings moved
-    output = (lambda r: r.stdout + r.stderr)(_run([str(BIN / "dvc"), "repro", *PIPELINE], project))
+    rerun = _run([str(BIN / "dvc"), "repro", *PIPELINE], project)
+    output = rerun.stdout + rerun.stderr
     assert "Running stage" not in output, output
 
 

@@ -100,8 +100,12 @@ def test_minibatched_steps_give_the_one_batch_gradient_and_rollouts_come_in_chun
         return value, [p.grad.clone() for p in params]
 
     policy.train()
-    whole, whole_grad = gradient(lambda: (lambda loss: (loss.backward(), loss.item())[1])(
-        answer_nll(policy, rollouts)))
+    def whole_loss():
+        loss = answer_nll(policy, rollouts)
+        loss.backward()
+        return loss.item()
+
+    whole, whole_grad = gradient(whole_loss)
     accumulated, accumulated_grad = gradient(lambda: accumulate_answer_nll(policy, rollouts, minibatch_size=2))
     policy.eval()
     assert accumulated == pytest.approx(whole, rel=1e-5)

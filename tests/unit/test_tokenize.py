@@ -43,7 +43,7 @@ def test_rows_follow_the_renderer(tokens):
 
 
 def test_episodes_over_budget_are_reported(tokens):
-    rows, too_long = tokenize_episodes(read_episodes(EXAMPLES), "train", tokens, 40)
+    _, too_long = tokenize_episodes(read_episodes(EXAMPLES), "train", tokens, 40)
     assert too_long and "does not fit 40 tokens" in too_long[0]
 
 

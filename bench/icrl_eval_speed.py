@@ -40,8 +40,7 @@ def one_run(strategy: str, mode: str, args) -> dict:
     import torch
 
     from icrl_core.config import EvalConfig
-    from icrl_core.icrl_eval import (EvaluationEvent, Predictor, StepEvent, max_context_examples, run_protocol,
-                                     show_for)
+    from icrl_core.icrl_eval import EvaluationEvent, Predictor, StepEvent, max_context_examples, run_protocol, show_for
     from icrl_core.kernels import PrefixCache
     from icrl_core.model import load_policy
     from icrl_core.task_data import load_task
@@ -179,7 +178,7 @@ def main() -> None:
         print(f"{strategy:<12} {r['steps_per_s']:>14.3f} {c['steps_per_s']:>10.3f} "
               f"{summary[strategy]['speedup_steps_per_s']:>7.1f}x "
               f"{r['tokens_computed_per_step']:>8.0f} vs {c['tokens_computed_per_step']:>7.0f} "
-              f"{str(summary[strategy]['identical_predictions']):>10}")
+              f"{summary[strategy]['identical_predictions']!s:>10}")
     print(f"wrote {args.output}")
     assert identical, "reuse and recompute made different predictions"
 

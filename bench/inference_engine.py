@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import chain
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,8 +205,8 @@ def _strip(run: dict) -> dict:
 
 
 def aggregate(args) -> dict:
-    from tasks.settings import load_config
     from tasks.evaluate import run_evaluations
+    from tasks.settings import load_config
 
     modes = [("pool", {"inference.streams": 1}, 2),
              ("streams", {"inference.streams": args.streams, "inference.fuse_streams": False}, 1),
@@ -237,8 +238,8 @@ def aggregate(args) -> dict:
             print(f"  {json.dumps(out[name])}", flush=True)
     for name in ("streams", "fused"):
         out[name]["speedup_vs_pool"] = round(out[name]["aggregate_steps_per_s"] / out["pool"]["aggregate_steps_per_s"], 2)
-        out[name]["step_prediction_agreement_with_pool"] = agreement(sum(predictions[name], []),
-                                                                     sum(predictions["pool"], []))
+        out[name]["step_prediction_agreement_with_pool"] = agreement(list(chain.from_iterable(predictions[name])),
+                                                                     list(chain.from_iterable(predictions["pool"])))
     out["streams"]["mode"] = "exact (threads, per-stream caches, one copy of the weights)"
     out["fused"]["mode"] = "fused ragged passes (float rounding may differ from exact)"
     return out
@@ -253,8 +254,14 @@ def vllm_vs_torch(args) -> dict:
     import torch
 
     from icrl_core.config import EvalConfig
-    from icrl_core.icrl_eval import (EpisodeRecord, Predictor, max_context_examples, render_context, render_query,
-                                     show_for)
+    from icrl_core.icrl_eval import (
+        EpisodeRecord,
+        Predictor,
+        max_context_examples,
+        render_context,
+        render_query,
+        show_for,
+    )
     from icrl_core.inference.base import walk_scores
     from icrl_core.inference.torch_backend import TorchEngine
     from icrl_core.inference.vllm_backend import VllmEngine

@@ -111,7 +111,7 @@ def run_icrl(args, demo: bool) -> dict:
     policy = load_policy("smollm2-135m", args.dtype, LoraAdapter(rank=8, alpha=16), value_head=True)
     zero_value_head(policy)
     after_load = rss_mb()
-    update = dict(epochs=2, minibatch_size=4) if demo else dict(epochs=1, minibatch_size=len(batch))
+    update = {"epochs": 2, "minibatch_size": 4} if demo else {"epochs": 1, "minibatch_size": len(batch)}
     cfg = PPOConfig(rollout_episodes=len(batch), batch_size=len(batch), max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, kl_beta=args.kl_beta, learning_rate=1e-5, **update)
     optimizer, scheduler = make_optimizer(policy, cfg)

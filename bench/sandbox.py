@@ -32,10 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from icrl_core.code_reward import _HARNESS, harness_input, parse_report  # noqa: E402
-from icrl_core.code_tasks import code_tasks  # noqa: E402
-from icrl_core.io import atomic_write_json  # noqa: E402
-from icrl_core.sandbox import SandboxConfig, _python, namespaces_available, run_programs  # noqa: E402
+from icrl_core.code_reward import _HARNESS, harness_input, parse_report
+from icrl_core.code_tasks import code_tasks
+from icrl_core.io import atomic_write_json
+from icrl_core.sandbox import SandboxConfig, _python, namespaces_available, run_programs
 
 
 def bare(program: str, stdin: str) -> str:
@@ -43,7 +43,7 @@ def bare(program: str, stdin: str) -> str:
         Path(tmp, "solution.py").write_text(program)
         # as in the sandbox: the working directory on sys.path, the harness as __main__
         out = subprocess.run([_python(), "-I", "-S", "-B", "-c", "import sys; sys.path.insert(0, '.')\n" + _HARNESS],
-                             input=stdin, capture_output=True, text=True, cwd=tmp, timeout=30)
+                             input=stdin, check=False, capture_output=True, text=True, cwd=tmp, timeout=30)
         return out.stdout
 
 

@@ -3,7 +3,7 @@
 import contextlib
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,15 +13,15 @@ from tasks.cli_common import ParamsOpt, SetOpt, console, resolve_config
 def register(app: typer.Typer) -> None:
     @app.command("pipeline")
     def pipeline(
-        stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Run only this stage (repeatable); "
+        stages: Annotated[list[str] | None, typer.Option("--stage", help="Run only this stage (repeatable); "
                                                             "default: every stage.", show_default=False)] = None,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
-        experiment: Annotated[Optional[list[Path]], typer.Option(
+        experiment: Annotated[list[Path] | None, typer.Option(
             "--experiment", "-e", help="Config file layered after the -c files (after ./params.yaml by default), "
             "e.g. experiments/icrl_skill.yaml; repeatable. The run is a DVC experiment named after the last one.",
             show_default=False)] = None,
-        name: Annotated[Optional[str], typer.Option(
+        name: Annotated[str | None, typer.Option(
             "--name", "-n", help="Name of the DVC experiment (with -c/--experiment/--set). Default: the experiment "
             "file's name or the flow run's, and the time.", show_default=False)] = None,
     ) -> None:
@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("promote")
     def promote(
-        metric_file: Annotated[Optional[Path], typer.Option(
+        metric_file: Annotated[Path | None, typer.Option(
             help="JSON file of the evaluation (the evaluate stage's full metrics; it names the adapter it measured). "
             "Default: evaluate.output_dir/metrics.json.", show_default=False)] = None,
         params: ParamsOpt = None,
@@ -154,7 +154,7 @@ def run_pipeline_with_summary(out) -> dict:
     table = Table("stage", "result")
     for stage, metrics in results.items():  # each stage's headline numbers (metrics/STAGE.json)
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
-        table.add_row(stage, shown or "(see metrics/%s.json)" % stage)
+        table.add_row(stage, shown or f"(see metrics/{stage}.json)")
     out.print(table)
     out.print(f"pipeline wall time {seconds / 60:.1f} min; metrics in metrics/, artifacts in artifacts/, runs in "
               "MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`), learning curves: "

@@ -11,8 +11,8 @@ from prefect.cache_policies import NO_CACHE
 
 @task(name="icrl-eval", task_run_name="{strategy}", cache_policy=NO_CACHE)
 def eval_task(strategy: str, overrides: dict[str, Any]) -> dict:
-    from tasks.settings import load_config, with_overrides
     from tasks.icrl_eval import evaluate, run_dir_for
+    from tasks.settings import load_config, with_overrides
 
     config = with_overrides(load_config("params.yaml", []), {**overrides, "icrl_eval.strategy": strategy})
     # A retried or re-triggered run continues its run folder instead of failing on it.

@@ -42,8 +42,8 @@ def _tool_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _dvc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], capture_output=True, text=True,
-                          env=_tool_env(env))
+    return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], check=False, capture_output=True,
+                          text=True, env=_tool_env(env))
 
 
 def dvc_stage_cache_key(context, parameters: dict[str, Any]) -> str | None:
@@ -132,8 +132,8 @@ def experiment_files() -> list[Path]:
 
 
 def _experiment_exists(name: str) -> bool:
-    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], capture_output=True,
-                          text=True)
+    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], check=False,
+                          capture_output=True, text=True)
     return any(ref.rsplit("/", 1)[-1] == name for ref in refs.stdout.split())
 
 
@@ -147,7 +147,7 @@ def dvc_experiment(overrides: dict[str, Any], name: str,
     from icrl_core.errors import UserError
 
     logger = logger or logging.getLogger(__name__)
-    head = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
+    head = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], check=False, capture_output=True, text=True)
     if head.returncode != 0:
         raise UserError("a run with overrides is a DVC experiment, which needs a git repository with a commit "
                         "(git init && git add -A && git commit)")

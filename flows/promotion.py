@@ -9,8 +9,8 @@ from prefect.cache_policies import NO_CACHE
 
 @task(name="register-and-promote", cache_policy=NO_CACHE)
 def promote_task(evaluation: str) -> dict:
-    from tasks.settings import load_config
     from tasks.promote import run
+    from tasks.settings import load_config
 
     # output=None: metrics/promote.json belongs to the DVC promote stage
     return run(load_config("params.yaml", []), evaluation, output=None)

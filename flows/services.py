@@ -7,6 +7,7 @@ folder as the stages (mlflow.db, mlartifacts/), so the UI shows every run.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ def wait_http(url: str, timeout: float = 120.0, process: subprocess.Popen | None
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status < 500:
                     return
-        except Exception:
+        except (OSError, http.client.HTTPException):  # not listening yet, reset, or a 5xx (HTTPError)
             time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
@@ -69,9 +70,9 @@ class Services:
     def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
         logs = STATE_DIR / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        handle = open(logs / f"{name}.log", "ab")
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+        with open(logs / f"{name}.log", "ab") as handle:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
         self.processes[name] = process
         return process
 
@@ -107,7 +108,8 @@ class Services:
 
     def ensure_work_pool(self, pool: str = WORK_POOL) -> None:
         env = prefect_env(self.prefect_api)
-        found = subprocess.run([_bin("prefect"), "work-pool", "inspect", pool], capture_output=True, env=env)
+        found = subprocess.run([_bin("prefect"), "work-pool", "inspect", pool], check=False, capture_output=True,
+                               env=env)
         if found.returncode != 0:
             subprocess.run([_bin("prefect"), "work-pool", "create", pool, "--type", "process"], check=True,
                            capture_output=True, env=env)
@@ -116,7 +118,7 @@ class Services:
         """`prefect deploy --all` from prefect.yaml (deployments run in `project_dir`)."""
         env = prefect_env(self.prefect_api)
         env["ICRL_PROJECT_DIR"] = str((project_dir or Path.cwd()).resolve())
-        result = subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], capture_output=True,
+        result = subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], check=False, capture_output=True,
                                 text=True, env=env, cwd=project_dir)
         if result.returncode != 0:
             raise RuntimeError(f"prefect deploy failed:\n{result.stdout}\n{result.stderr}")

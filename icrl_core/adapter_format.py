@@ -54,7 +54,7 @@ def load_safetensors(path: Path | str) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for truncated/corrupt files
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
 
 

@@ -45,7 +45,7 @@ class ChatFormat:
         try:
             t_s = render(system)
             supports_system = _S in t_s
-        except Exception:  # templates that reject system messages
+        except Exception:  # noqa: BLE001 - a template is arbitrary Jinja; any error: it rejects system messages
             supports_system = False
         if not supports_system:
             t_s = ""

@@ -124,7 +124,7 @@ def read_checkpoint(folder: Path | str) -> TrainingState:
         tensors = load_file(str(folder / "trainable.safetensors"))
         opt = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
         rng_torch = torch.load(folder / "rng.pt", weights_only=True, map_location="cpu")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any unreadable part (safetensors, unpickling, I/O) is a CheckpointError
         raise CheckpointError(f"{folder}: cannot be read ({exc})") from None
     rng = {k: v for k, v in rng_torch.items() if v is not None}
     if manifest.get("numpy_rng") is not None:

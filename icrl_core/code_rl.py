@@ -253,7 +253,7 @@ def code_step(policy, optimizer, scheduler, task_set: CodeTaskSet, code: CodeCon
         known = needs_reference(cfg, beta)  # no reference pass: no KL
         metrics.update({
             "kl": float(prepared.kl.sum(1).mean()) if known else math.nan,
-            "kl_per_token": float((prepared.kl.sum() / mask.sum().clamp(min=1))) if known else math.nan,
+            "kl_per_token": float(prepared.kl.sum() / mask.sum().clamp(min=1)) if known else math.nan,
             "advantage_abs": float(prepared.step_advantages.abs().mean()),
             "action_tokens": float(mask.sum()),
             "beta": beta,

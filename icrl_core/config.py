@@ -8,14 +8,13 @@ files, `ICRL_*` environment, `--set`) and the generated docs live in `tasks/sett
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from icrl_core.code_config import CodeConfig, CodeRolloutConfig  # noqa: F401  (CodeConfig: the pipeline's `code`)
 from icrl_core.objectives import ContextDistillation, Objective, PPOObjective
 from icrl_core.schema import Section
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Model
@@ -48,7 +47,7 @@ class FrozenAdapter(Section):
     kind: Literal["none"] = "none"
 
 
-Adapter = Annotated[Union[LoraAdapter, LastBlocksAdapter, FrozenAdapter], Field(discriminator="kind")]
+Adapter = Annotated[LoraAdapter | LastBlocksAdapter | FrozenAdapter, Field(discriminator="kind")]
 
 
 class ModelConfig(Section):
@@ -113,7 +112,7 @@ class FileSource(Section):
     weight: Annotated[float, Field(gt=0, description="Relative share of episodes drawn from this source.")] = 1.0
 
 
-EpisodeSource = Annotated[Union[TaskSource, SyntheticSource, FileSource], Field(discriminator="kind")]
+EpisodeSource = Annotated[TaskSource | SyntheticSource | FileSource, Field(discriminator="kind")]
 
 
 class TaskPrompt(Section):
@@ -304,7 +303,7 @@ class AdaptiveKL(Section):
     horizon: Annotated[int, Field(ge=1, description="Adaptation horizon in episodes.")] = 1000
 
 
-KLControl = Annotated[Union[FixedKL, AdaptiveKL], Field(discriminator="kind")]
+KLControl = Annotated[FixedKL | AdaptiveKL, Field(discriminator="kind")]
 
 
 class TaskReward(Section):
@@ -327,7 +326,7 @@ class MixedReward(Section):
     model_weight: Annotated[float, Field(ge=0, description="Weight of the reward model score.")] = 0.5
 
 
-RewardSource = Annotated[Union[TaskReward, ModelReward, MixedReward], Field(discriminator="kind")]
+RewardSource = Annotated[TaskReward | ModelReward | MixedReward, Field(discriminator="kind")]
 
 
 class StreamConfig(Section):

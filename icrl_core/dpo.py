@@ -178,7 +178,7 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
         policy.train()
         optimizer.zero_grad(set_to_none=True)
         # every rank's pairs count: the mean is over the step's pairs of all ranks
-        n_pairs = int(round(_combine({"pairs": float(len(pairs))})["pairs"]))
+        n_pairs = round(_combine({"pairs": float(len(pairs))})["pairs"])
         sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0, "margin": 0.0, "accuracy": 0.0}
         for part in chunks(pairs, cfg.batch_size):
             out = dpo_micro_step(policy, part, cfg, n_pairs, scale=world)

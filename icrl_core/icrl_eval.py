@@ -25,9 +25,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -224,7 +223,7 @@ def is_supervised(cfg: EvalConfig) -> bool:
 
 def make_strategy(cfg: EvalConfig, max_examples: int) -> Strategy:
     supervised = is_supervised(cfg)
-    common = dict(max_examples=max_examples, seed=cfg.seed, supervised=supervised)
+    common = {"max_examples": max_examples, "seed": cfg.seed, "supervised": supervised}
     if cfg.strategy == "zero_shot":
         return ZeroShot(**common)
     if cfg.strategy == "approximate":

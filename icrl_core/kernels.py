@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 import numpy as np
 import torch
@@ -255,7 +256,7 @@ class TreeScorer:
     forward: object = model_forward   # how a pass is run (see extend_cache)
     _ancestors: np.ndarray | None = None  # (M, M) bool: ancestors-or-self among appended nodes
 
-    def __enter__(self) -> TreeScorer:
+    def __enter__(self) -> Self:
         if _cache_length(self.cache) != self.prefix_length:
             raise RuntimeError("the cache does not hold exactly the prefix")
         return self

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from icrl_core.adapter_format import load_safetensors, saved_adapter  # noqa: F401 (saved_adapter: re-export)
+from icrl_core.adapter_format import load_safetensors, saved_adapter
 from icrl_core.chat import Tokens
 from icrl_core.config import Adapter, FrozenAdapter, LastBlocksAdapter, LoraAdapter
 from icrl_core.device import module_device, resolve_device

@@ -35,7 +35,7 @@ then the mean over sequences: GRPO's 1/G sum_i 1/|o_i| sum_t), `token_sum` (sum 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -111,8 +111,8 @@ class AIPOObjective(Section):
     delta: Annotated[float, Field(gt=1, description="Cap of the importance ratio pi / mu.")] = 8.0
 
 
-Objective = Annotated[Union[PPOObjective, GRPOObjective, RLOOObjective, DrGRPOObjective, GSPOObjective,
-                            OPOObjective, AIPOObjective], Field(discriminator="kind")]
+Objective = Annotated[PPOObjective | GRPOObjective | RLOOObjective | DrGRPOObjective | GSPOObjective
+                      | OPOObjective | AIPOObjective, Field(discriminator="kind")]
 OBJECTIVE_KINDS = ("ppo", "grpo", "rloo", "dr_grpo", "gspo", "opo", "aipo")
 OBJECTIVE_TYPES = (PPOObjective, GRPOObjective, RLOOObjective, DrGRPOObjective, GSPOObjective, OPOObjective,
                    AIPOObjective)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from icrl_core.batching import pad_sequences
 from icrl_core.chat import chat_prompt_ids
 from icrl_core.device import to_device
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_text
-from icrl_core.batching import pad_sequences
 from icrl_core.objectives import kl_policy_base
 
 
@@ -48,7 +48,7 @@ class ReplaySequence:
 
 def replay_prompts(texts: Sequence[str], n: int, seed: int) -> list[str]:
     """n distinct user turns drawn uniformly (without replacement) from `texts`."""
-    unique = sorted(set(t.strip() for t in texts if t.strip()))
+    unique = sorted({t.strip() for t in texts if t.strip()})
     if len(unique) < n:
         raise UserError(f"replay asks for {n} prompts but its tasks hold {len(unique)} distinct training texts")
     return random.Random(seed).sample(unique, n)

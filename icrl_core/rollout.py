@@ -296,8 +296,8 @@ def generate_rollouts(policy, episodes: Sequence[Episode], sampling: Sampling, m
                 break
             # The sampled token enters the cache; rows that finished feed padding.
             logits = feed([[generated[r][-1]] if r in rows else [] for r in range(batch)])
-        for r in generated:
-            dialogues[r].add_answer(generated[r], logps[r], explored[r])
+        for r, tokens in generated.items():
+            dialogues[r].add_answer(tokens, logps[r], explored[r])
     return [Rollout(d.episode, list(d.conv.ids), d.answers, d.exemplars_dropped) for d in dialogues]
 
 

@@ -47,7 +47,6 @@ from typing import Literal
 
 from icrl_core.code_config import SandboxConfig
 
-
 Status = Literal["ok", "failed", "timeout", "memory", "killed", "output_limit", "error"]
 
 

@@ -401,7 +401,7 @@ def load_task_from_hub(name: str, tasks_dir: Path | str | None = None) -> Classi
     spec = HUB_SPECS[base]
     try:
         dataset = datasets.load_dataset(spec.dataset_id, spec.config)
-    except Exception as exc:  # offline, not cached, or the Hub refused
+    except Exception as exc:  # noqa: BLE001 - offline, not cached, or the Hub refused: a UserError either way
         raise UserError(f"cannot load '{spec.dataset_id}' from the Hugging Face Hub ({type(exc).__name__}: "
                         f"{str(exc)[:200]}); use source=dir with data.tasks_dir, or source=disk") from None
     return task_from_dataset_dict(name, dataset, _optional_label_map(name, tasks_dir))
@@ -416,7 +416,7 @@ def load_task_from_disk(name: str, path: Path | str, tasks_dir: Path | str | Non
         raise UserError(f"{path}: no saved dataset here (expected a folder written by DatasetDict.save_to_disk)")
     try:
         dataset = datasets.load_from_disk(str(path))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types for a folder it cannot read
         raise UserError(f"{path}: not a saved dataset ({type(exc).__name__}: {str(exc)[:200]})") from None
     if isinstance(dataset, datasets.Dataset):
         dataset = datasets.DatasetDict({"train": dataset})

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from tasks.settings import PipelineConfig
 
 STAGE = "adapt"
 HEADLINE = ("mean_reward_before", "mean_reward_after")  # metrics/adapt.json; the rest: output_dir/report.json

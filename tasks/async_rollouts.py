@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -177,7 +178,7 @@ class RolloutPool:
             path.unlink(missing_ok=True)
         self.actors, self.files = [], []
 
-    def __enter__(self) -> RolloutPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from tasks.settings import PipelineConfig
 
 STAGE = "build_dataset"
 HEADLINE = ("train_episodes", "val_episodes")  # metrics/build_dataset.json; the rest: the dataset card

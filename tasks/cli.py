@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import click
 import typer
@@ -32,8 +32,16 @@ model_app = typer.Typer(help="Load, cache and query models.", no_args_is_help=Tr
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
 
-from tasks.cli_common import (INPUT_FILE, INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt,  # noqa: E402
-                              console, resolve_config)
+from tasks.cli_common import (
+    INPUT_FILE,
+    INPUT_FOLDER,
+    OUTPUT_FILE,
+    OUTPUT_FOLDER,
+    ParamsOpt,
+    SetOpt,
+    console,
+    resolve_config,
+)
 
 CodeSplit = Enum("CodeSplit", {s: s for s in ("test", "train")}, type=str)
 
@@ -45,7 +53,7 @@ CodeSplit = Enum("CodeSplit", {s: s for s in ("test", "train")}, type=str)
 def validate_episodes(
     file: Annotated[Path, typer.Argument(help="ICRL episodes JSONL file to check.", show_default=False,
                                          **INPUT_FILE)],
-    max_tokens: Annotated[Optional[int], typer.Option(help="Also render every episode with the model's tokenizer "
+    max_tokens: Annotated[int | None, typer.Option(help="Also render every episode with the model's tokenizer "
                                                       "and check it fits this many tokens (shaving exemplars "
                                                       "from the front if needed).", min=32)] = None,
     model: Annotated[str, typer.Option(help="Model spec whose tokenizer renders episodes (with "
@@ -77,7 +85,7 @@ def validate_episodes(
 
 @app.command("tasks")
 def list_tasks(
-    names: Annotated[Optional[list[str]], typer.Argument(
+    names: Annotated[list[str] | None, typer.Argument(
         help="Tasks to show: names or task folder paths. Default: every task (built-in, the folders of "
         "data.tasks_dir, the data.sources and icrl_eval.task given as paths).", show_default=False)] = None,
     params: ParamsOpt = None,
@@ -132,36 +140,36 @@ def _code_task_table(seed: int, variants: int):
 
 @app.command("code-eval")
 def code_eval(
-    adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to evaluate, e.g. "
+    adapter: Annotated[Path | None, typer.Option(help="Trained adapter folder to evaluate, e.g. "
                                                     "artifacts/ppo/adapter. Default: the base model (model.spec; "
                                                     "model.init_adapter is not applied).", show_default=False,
                                                     **INPUT_FOLDER)] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, a "
+    model: Annotated[str | None, typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, a "
                                                  "folder or a HF id.", show_default=False)] = None,
-    split: Annotated[Optional[CodeSplit], typer.Option(help="Tasks to evaluate (code.eval.split): test = the "
+    split: Annotated[CodeSplit | None, typer.Option(help="Tasks to evaluate (code.eval.split): test = the "
                                                        "held-out templates, train = the training ones.",
                                                        show_default=False)] = None,
-    samples: Annotated[Optional[int], typer.Option(help="Completions per task, the n of pass@k "
+    samples: Annotated[int | None, typer.Option(help="Completions per task, the n of pass@k "
                                                    "(code.eval.samples).", min=1, max=200,
                                                    show_default=False)] = None,
-    k: Annotated[Optional[list[int]], typer.Option("--k", help="A k of pass@k, repeatable, each at most --samples "
+    k: Annotated[list[int] | None, typer.Option("--k", help="A k of pass@k, repeatable, each at most --samples "
                                                    "(code.eval.k).", min=1, max=200, show_default=False)] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature, 0 = greedy with one sample "
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature, 0 = greedy with one sample "
                                                          "(code.eval.temperature).", min=0, max=10,
                                                          show_default=False)] = None,
-    tasks_per_level: Annotated[Optional[int], typer.Option(help="Tasks per difficulty level, a seeded sample "
+    tasks_per_level: Annotated[int | None, typer.Option(help="Tasks per difficulty level, a seeded sample "
                                                            "(code.eval.tasks_per_level; default all).", min=1,
                                                            max=1000, show_default=False)] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per completion "
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens per completion "
                                                           "(code.eval.max_new_tokens).", min=16, max=512,
                                                           show_default=False)] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Completions generated together "
+    batch_size: Annotated[int | None, typer.Option(help="Completions generated together "
                                                       "(code.eval.batch_size).", min=1, max=256,
                                                       show_default=False)] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the task sample and the sampling (seed).",
+    seed: Annotated[int | None, typer.Option(help="Seed of the task sample and the sampling (seed).",
                                                 show_default=False)] = None,
     threads: Annotated[int, typer.Option(help="torch CPU threads (0 = torch's default).", min=0, max=256)] = 0,
-    output: Annotated[Optional[Path], typer.Option(help="JSON file to write (code.eval.output).",
+    output: Annotated[Path | None, typer.Option(help="JSON file to write (code.eval.output).",
                                                    show_default=False, **OUTPUT_FILE)] = None,
     params: ParamsOpt = None,
     overrides: SetOpt = None,
@@ -220,7 +228,7 @@ def config_show(
 
 @config_app.command("docs")
 def config_docs(
-    output: Annotated[Optional[Path], typer.Option(help="Write the Markdown here instead of stdout.",
+    output: Annotated[Path | None, typer.Option(help="Write the Markdown here instead of stdout.",
                                                    **OUTPUT_FILE)] = None,
 ) -> None:
     """Print every config key with its default and description (Markdown), generated from the schema."""
@@ -262,7 +270,7 @@ def model_interpolate(
                                          "1 = the adapter unchanged.", min=0.0, max=1.0)],
     output: Annotated[Path, typer.Option(help="Folder for the interpolated adapter (written atomically).",
                                          show_default=False, **OUTPUT_FOLDER)],
-    spec: Annotated[Optional[str], typer.Option(help="Base model spec the adapter was trained on (default: the one "
+    spec: Annotated[str | None, typer.Option(help="Base model spec the adapter was trained on (default: the one "
                                                 "the adapter folder names).")] = None,
 ) -> None:
     """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
@@ -279,10 +287,10 @@ def model_convert(
     adapter: Annotated[Path, typer.Argument(help="Adapter folder in the old layout (adapter.safetensors + "
                                             "adapter.json) or a plain PEFT LoRA folder.", show_default=False,
                                             **INPUT_FOLDER)],
-    output: Annotated[Optional[Path], typer.Option(help="Write here instead of replacing the folder in place.",
+    output: Annotated[Path | None, typer.Option(help="Write here instead of replacing the folder in place.",
                                                    **OUTPUT_FOLDER)]
     = None,
-    spec: Annotated[Optional[str], typer.Option(help="Base model spec, if the folder does not name it.")] = None,
+    spec: Annotated[str | None, typer.Option(help="Base model spec, if the folder does not name it.")] = None,
 ) -> None:
     """Rewrite a saved adapter in the current format (PEFT's own files for LoRA; docs/FORMATS.md)."""
     from icrl_core.adapter_format import convert_adapter, require_adapter
@@ -300,7 +308,7 @@ def model_export(
                                         "transformers model folder (AutoModelForCausalLM.from_pretrained loads "
                                         "it). Without it, the adapter is written in the current format.")]
     = False,
-    spec: Annotated[Optional[str], typer.Option(help="Base model spec, if the folder does not name it.")] = None,
+    spec: Annotated[str | None, typer.Option(help="Base model spec, if the folder does not name it.")] = None,
     dtype: Annotated[str, typer.Option(help="Weights dtype of the merged model: float32 or bfloat16.")]
     = "float32",
 ) -> None:

@@ -1,7 +1,7 @@
 """Options and helpers shared by every CLI module (no heavy imports)."""
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,20 +15,20 @@ OUTPUT_FILE = {"dir_okay": False}
 OUTPUT_FOLDER = {"file_okay": False}
 
 ParamsOpt = Annotated[
-    Optional[list[Path]],
+    list[Path] | None,
     typer.Option("--config", "-c", "--params", "-p", help="YAML config file of sections and/or dotted keys; repeat "
                  "to layer several, later files win (`@FILE` is short for `-c FILE`). Default: ./params.yaml if "
                  "it exists, else built-in defaults. ICRL_* environment variables and --set apply on top.",
                  show_default=False),
 ]
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", "-s", help="Override one config key, e.g. --set ppo.kl_beta=0.02 (repeatable; values "
                  "are YAML).", show_default=False),
 ]
 
 
-def config_files(params: Optional[list[Path]] | Path) -> list[Path]:
+def config_files(params: list[Path] | None | Path) -> list[Path]:
     """The config files a command layers: the ones given (-c/--params/@FILE, in order), else ./params.yaml if it
     exists, else none (built-in defaults)."""
     if isinstance(params, Path):
@@ -38,7 +38,7 @@ def config_files(params: Optional[list[Path]] | Path) -> list[Path]:
     return [DEFAULT_PARAMS] if DEFAULT_PARAMS.exists() else []
 
 
-def resolve_config(params: Optional[list[Path]] | Path, overrides: Optional[list[str]], extra: dict | None = None):
+def resolve_config(params: list[Path] | None | Path, overrides: list[str] | None, extra: dict | None = None):
     from tasks.settings import load_config
 
     return load_config(config_files(params), overrides or [], extra=extra)

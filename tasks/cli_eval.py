@@ -5,13 +5,12 @@ set any key."""
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from icrl_core.config import PAPER_STRATEGIES, STRATEGY_NAMES
-from tasks.cli_common import (INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt, console,
-                              resolve_config)
+from tasks.cli_common import INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt, console, resolve_config
 
 Strategy = Enum("Strategy", {s: s for s in (*STRATEGY_NAMES, *PAPER_STRATEGIES)}, type=str)  # the config maps the
 # paper's names (icrl_core.config.PAPER_STRATEGIES) to the project's
@@ -40,86 +39,86 @@ def _flag_overrides(**flags) -> dict:
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_command(
-        task: Annotated[Optional[str], typer.Option(help="Task (see `icrl tasks`): banking77, clinc150, "
+        task: Annotated[str | None, typer.Option(help="Task (see `icrl tasks`): banking77, clinc150, "
                                                     "trec_coarse, trec_fine, nlu, <task>_unsemantic, keyword_map, "
                                                     "modular_sum.", show_default=False)] = None,
-        strategy: Annotated[Optional[Strategy], typer.Option(help="Context strategy (the paper's "
+        strategy: Annotated[Strategy | None, typer.Option(help="Context strategy (the paper's "
                                                               "--context_strategy_name).", show_default=False)] = None,
-        temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature of constrained decoding "
+        temperature: Annotated[float | None, typer.Option(help="Sampling temperature of constrained decoding "
                                                              "(0 = greedy).", min=0, show_default=False)] = None,
-        test_temperature: Annotated[Optional[float], typer.Option(help="Temperature of the test predictions only "
+        test_temperature: Annotated[float | None, typer.Option(help="Temperature of the test predictions only "
                                                                   "(0 = greedy). Default: --temperature.", min=0,
                                                                   show_default=False)] = None,
-        p_keep: Annotated[Optional[float], typer.Option(help="Probability of keeping a past episode, for the "
+        p_keep: Annotated[float | None, typer.Option(help="Probability of keeping a past episode, for the "
                                                         "strategy that runs (the paper's --context_p_keep). "
                                                         "Default: 0.1 for explorative and approximate, 1.0 for "
                                                         "naive, naive_plus and icl (icrl_eval.p_keep).",
                                                         min=0, max=1, show_default=False)] = None,
-        max_examples: Annotated[Optional[int], typer.Option(help="Cap on in-context episodes (the paper's "
+        max_examples: Annotated[int | None, typer.Option(help="Cap on in-context episodes (the paper's "
                                                             "--max_context_examples). Default: computed from the "
                                                             "context window.", min=0, show_default=False)] = None,
-        context_window: Annotated[Optional[int], typer.Option(help="Window the prompts must fit when the cap is "
+        context_window: Annotated[int | None, typer.Option(help="Window the prompts must fit when the cap is "
                                                               "computed. Default: the model's.", min=64,
                                                               show_default=False)] = None,
-        icrl: Annotated[Optional[bool], typer.Option("--icrl/--no-icrl", help="In-context RL (own predictions + "
+        icrl: Annotated[bool | None, typer.Option("--icrl/--no-icrl", help="In-context RL (own predictions + "
                                                      "rewards) or supervised ICL (gold labels). Default: ICL for "
                                                      "--strategy icl, else ICRL.", show_default=False)] = None,
-        omit_feedback: Annotated[Optional[bool], typer.Option("--omit-feedback/--no-omit-feedback",
+        omit_feedback: Annotated[bool | None, typer.Option("--omit-feedback/--no-omit-feedback",
                                                               help="Leave reward feedback out of the context (the "
                                                               "paper's --icrl_omit_feedback).",
                                                               show_default=False)] = None,
-        flip_feedback_prob: Annotated[Optional[float], typer.Option(help="Flip the feedback shown in context with "
+        flip_feedback_prob: Annotated[float | None, typer.Option(help="Flip the feedback shown in context with "
                                                                     "this probability (the paper's "
                                                                     "--icrl_flip_feedback + prob; 0 = off).",
                                                                     min=0, max=1, show_default=False)] = None,
-        max_contexts: Annotated[Optional[int], typer.Option(help="Contexts kept by the approximate strategy.",
+        max_contexts: Annotated[int | None, typer.Option(help="Contexts kept by the approximate strategy.",
                                                             min=1, show_default=False)] = None,
-        approximate_sampling: Annotated[Optional[Sampling], typer.Option(help="How the approximate strategy "
+        approximate_sampling: Annotated[Sampling | None, typer.Option(help="How the approximate strategy "
                                                                          "picks a context: uniform or likelihood "
                                                                          "(the paper's 'exact').",
                                                                          show_default=False)] = None,
-        train_k: Annotated[Optional[int], typer.Option(help="Training steps.", min=1, show_default=False)] = None,
-        test_every: Annotated[Optional[int], typer.Option(help="Test at step 0, whenever (step+1) % N == 0, and "
+        train_k: Annotated[int | None, typer.Option(help="Training steps.", min=1, show_default=False)] = None,
+        test_every: Annotated[int | None, typer.Option(help="Test at step 0, whenever (step+1) % N == 0, and "
                                                           "at the last step.", min=1, show_default=False)] = None,
-        test_k: Annotated[Optional[int], typer.Option(help="Test queries per evaluation.", min=1,
+        test_k: Annotated[int | None, typer.Option(help="Test queries per evaluation.", min=1,
                                                       show_default=False)] = None,
-        seed: Annotated[Optional[int], typer.Option(help="Seed of decoding, context sampling and flips.",
+        seed: Annotated[int | None, typer.Option(help="Seed of decoding, context sampling and flips.",
                                                     show_default=False)] = None,
-        training_seed: Annotated[Optional[int], typer.Option(help="Seed of the training query order.",
+        training_seed: Annotated[int | None, typer.Option(help="Seed of the training query order.",
                                                              show_default=False)] = None,
-        test_seed: Annotated[Optional[int], typer.Option(help="Seed of the test query selection.",
+        test_seed: Annotated[int | None, typer.Option(help="Seed of the test query selection.",
                                                          show_default=False)] = None,
-        debug_k: Annotated[Optional[int], typer.Option(help="Print the full prompt of the first k steps.", min=0,
+        debug_k: Annotated[int | None, typer.Option(help="Print the full prompt of the first k steps.", min=0,
                                                        show_default=False)] = None,
-        source: Annotated[Optional[Source], typer.Option(help="Where real task data comes from: dir "
+        source: Annotated[Source | None, typer.Option(help="Where real task data comes from: dir "
                                                          "(data.tasks_dir), hub (Hugging Face), disk "
                                                          "(--disk-path).", show_default=False)] = None,
-        disk_path: Annotated[Optional[Path], typer.Option(help="With --source disk: a DatasetDict saved with "
+        disk_path: Annotated[Path | None, typer.Option(help="With --source disk: a DatasetDict saved with "
                                                           "save_to_disk.", show_default=False,
                                                           **INPUT_FOLDER)] = None,
-        tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
+        tasks_dir: Annotated[Path | None, typer.Option(help="Folder of the task folders (data.tasks_dir).",
                                                           show_default=False, **INPUT_FOLDER)] = None,
-        model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, "
+        model: Annotated[str | None, typer.Option(help="Model spec (model.spec): smollm2-135m, tiny, a .gguf, "
                                                      "a folder or a HF id.", show_default=False)] = None,
-        adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to evaluate on the model "
+        adapter: Annotated[Path | None, typer.Option(help="Trained adapter folder to evaluate on the model "
                                                         "(model.init_adapter), e.g. artifacts/ppo/adapter. "
                                                         "Default: the base model.", show_default=False,
                                                         **INPUT_FOLDER)] = None,
-        dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype: float32 is exact; bfloat16 is faster only "
+        dtype: Annotated[Dtype | None, typer.Option(help="Weight dtype: float32 is exact; bfloat16 is faster only "
                                                        "on CPUs with AMX/AVX512-BF16; auto picks.",
                                                        show_default=False)] = None,
-        reuse_cache: Annotated[Optional[bool], typer.Option("--reuse-cache/--no-reuse-cache",
+        reuse_cache: Annotated[bool | None, typer.Option("--reuse-cache/--no-reuse-cache",
                                                             help="Reuse KV caches of shared prefixes (exact); "
                                                             "--no-reuse-cache recomputes every prompt.",
                                                             show_default=False)] = None,
-        threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (0 = default).", min=0,
+        threads: Annotated[int | None, typer.Option(help="torch CPU threads (0 = default).", min=0,
                                                        show_default=False)] = None,
-        run_name: Annotated[Optional[str], typer.Option(help="Run folder name under icrl_eval.output_dir "
+        run_name: Annotated[str | None, typer.Option(help="Run folder name under icrl_eval.output_dir "
                                                         "(default <task>-<strategy>-seed<seed>).",
                                                         show_default=False)] = None,
-        output_dir: Annotated[Optional[Path], typer.Option(help="Parent folder of run folders.",
+        output_dir: Annotated[Path | None, typer.Option(help="Parent folder of run folders.",
                                                            show_default=False, **OUTPUT_FOLDER)] = None,
-        tracking: Annotated[Optional[bool], typer.Option("--tracking/--no-tracking", help="Log to MLflow "
+        tracking: Annotated[bool | None, typer.Option("--tracking/--no-tracking", help="Log to MLflow "
                                                          "(tracking.enabled).", show_default=False)] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue the run folder of a killed run from its "
                                              "last logged step.")] = False,
@@ -158,19 +157,19 @@ def register(app: typer.Typer) -> None:
 
     @app.command("max-examples")
     def max_examples_command(
-        task: Annotated[Optional[str], typer.Option(help="Task (default: icrl_eval.task).",
+        task: Annotated[str | None, typer.Option(help="Task (default: icrl_eval.task).",
                                                     show_default=False)] = None,
-        model: Annotated[Optional[str], typer.Option(help="Model spec whose tokenizer and window are used "
+        model: Annotated[str | None, typer.Option(help="Model spec whose tokenizer and window are used "
                                                      "(default: model.spec).", show_default=False)] = None,
-        window: Annotated[Optional[int], typer.Option(help="Token window (default: icrl_eval.context_window, "
+        window: Annotated[int | None, typer.Option(help="Token window (default: icrl_eval.context_window, "
                                                       "else the model's).", min=64, show_default=False)] = None,
-        icrl: Annotated[Optional[bool], typer.Option("--icrl/--no-icrl", help="Count ICRL episodes (prediction + "
+        icrl: Annotated[bool | None, typer.Option("--icrl/--no-icrl", help="Count ICRL episodes (prediction + "
                                                      "feedback) or supervised ones (gold answer only).",
                                                      show_default=False)] = None,
-        omit_feedback: Annotated[Optional[bool], typer.Option("--omit-feedback/--no-omit-feedback",
+        omit_feedback: Annotated[bool | None, typer.Option("--omit-feedback/--no-omit-feedback",
                                                               help="ICRL episodes without the feedback turn.",
                                                               show_default=False)] = None,
-        tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
+        tasks_dir: Annotated[Path | None, typer.Option(help="Folder of the task folders (data.tasks_dir).",
                                                           show_default=False, **INPUT_FOLDER)] = None,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
@@ -256,25 +255,25 @@ def register(app: typer.Typer) -> None:
         target: Annotated[str, typer.Option(help="The label every past attempt in context gives (for trec_coarse "
                                             "`entity`, the label naive in-context RL collapses onto).",
                                             show_default=False)],
-        task: Annotated[Optional[str], typer.Option(help="Task (default: icrl_eval.task).",
+        task: Annotated[str | None, typer.Option(help="Task (default: icrl_eval.task).",
                                                     show_default=False)] = None,
-        attempts: Annotated[Optional[list[int]], typer.Option(help="Past attempts in context, repeatable "
+        attempts: Annotated[list[int] | None, typer.Option(help="Past attempts in context, repeatable "
                                                               "(default 1 and 4; n = 0 is always measured).",
                                                               min=1, show_default=False)] = None,
         queries: Annotated[int, typer.Option(help="Test queries whose gold label is not --target.", min=1)] = 40,
-        adapter: Annotated[Optional[Path], typer.Option(help="Trained adapter folder to load on the model "
+        adapter: Annotated[Path | None, typer.Option(help="Trained adapter folder to load on the model "
                                                         "(model.init_adapter). Default: the base model.",
                                                         show_default=False, **INPUT_FOLDER)] = None,
-        seed: Annotated[Optional[int], typer.Option(help="Seed of the query and past-attempt choice "
+        seed: Annotated[int | None, typer.Option(help="Seed of the query and past-attempt choice "
                                                     "(icrl_eval.seed).", show_default=False)] = None,
-        tasks_dir: Annotated[Optional[Path], typer.Option(help="Folder of the task folders (data.tasks_dir).",
+        tasks_dir: Annotated[Path | None, typer.Option(help="Folder of the task folders (data.tasks_dir).",
                                                           show_default=False, **INPUT_FOLDER)] = None,
-        model: Annotated[Optional[str], typer.Option(help="Model spec (model.spec).", show_default=False)] = None,
-        dtype: Annotated[Optional[Dtype], typer.Option(help="Weight dtype (model.dtype).",
+        model: Annotated[str | None, typer.Option(help="Model spec (model.spec).", show_default=False)] = None,
+        dtype: Annotated[Dtype | None, typer.Option(help="Weight dtype (model.dtype).",
                                                        show_default=False)] = None,
-        threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (0 = default).", min=0,
+        threads: Annotated[int | None, typer.Option(help="torch CPU threads (0 = default).", min=0,
                                                        show_default=False)] = None,
-        output: Annotated[Optional[Path], typer.Option(help="JSON file for the result (written atomically).",
+        output: Annotated[Path | None, typer.Option(help="JSON file for the result (written atomically).",
                                                        show_default=False, **OUTPUT_FILE)] = None,
         progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
         params: ParamsOpt = None,
@@ -309,8 +308,8 @@ def register(app: typer.Typer) -> None:
         run_dirs: Annotated[list[Path], typer.Argument(help="Run folders of `icrl eval` to compare.",
                                                        show_default=False, **INPUT_FOLDER)],
         output: Annotated[Path, typer.Option(help="PNG file to write.", **OUTPUT_FILE)] = Path("learning_curves.png"),
-        title: Annotated[Optional[str], typer.Option(help="Figure title.", show_default=False)] = None,
-        label: Annotated[Optional[list[str]], typer.Option(help="Legend label per run, in order (repeatable). "
+        title: Annotated[str | None, typer.Option(help="Figure title.", show_default=False)] = None,
+        label: Annotated[list[str] | None, typer.Option(help="Legend label per run, in order (repeatable). "
                                                            "Default: each run's strategy.",
                                                            show_default=False)] = None,
     ) -> None:

@@ -3,7 +3,7 @@ adapts to one request episode at test time."""
 
 import importlib
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,9 +13,8 @@ from tasks.cli_common import INPUT_FILE, INPUT_FOLDER, OUTPUT_FILE, ParamsOpt, S
 def run_stage(name: str, config) -> dict:
     """Run one stage of dvc.yaml (tasks/stages.py) in this process: `run(config)` of tasks/NAME.py; return its
     final metrics (also written to metrics/<name>.json)."""
-    from tasks.stages import check_stage_names, load_stages
-
     from icrl_core.task_data import register_task_templates
+    from tasks.stages import check_stage_names, load_stages
 
     check_stage_names([name])
     stages = load_stages()
@@ -45,19 +44,19 @@ def register(app: typer.Typer) -> None:
 
     @app.command("adapt")
     def adapt(
-        episodes: Annotated[Optional[Path], typer.Argument(
+        episodes: Annotated[Path | None, typer.Argument(
             help="Episodes JSONL holding the request(s). Default: adapt.requests_file, else "
             "data.output_dir/val.jsonl.", show_default=False, **INPUT_FILE)] = None,
-        episode_id: Annotated[Optional[str], typer.Option(
+        episode_id: Annotated[str | None, typer.Option(
             "--episode-id", help="Adapt to the episode with this id (default: the first --count episodes).",
             show_default=False)] = None,
         count: Annotated[int, typer.Option(help="Number of episodes to adapt to, from the start of the file "
                                            "(ignored with --episode-id).", min=1)] = 1,
-        adapter: Annotated[Optional[Path], typer.Option(
+        adapter: Annotated[Path | None, typer.Option(
             help="Adapter folder to start from (never modified). Default: adapt.adapter, else "
             "ppo.output_dir/adapter if it exists, else model.init_adapter, else a fresh LoRA.",
             show_default=False, **INPUT_FOLDER)] = None,
-        output: Annotated[Optional[Path], typer.Option(help="Also write the results as JSON to this file.",
+        output: Annotated[Path | None, typer.Option(help="Also write the results as JSON to this file.",
                                                        show_default=False, **OUTPUT_FILE)] = None,
         params: ParamsOpt = None,
         overrides: SetOpt = None,
@@ -70,8 +69,15 @@ def register(app: typer.Typer) -> None:
         from icrl_core.adapt import adapt_and_answer
         from icrl_core.errors import UserError
         from icrl_core.io import atomic_write_json
-        from tasks.adapt import (adapt_scorer, load_adapt_policy, load_requests, request_generator, start_digest,
-                                 start_adapter, summarize)
+        from tasks.adapt import (
+            adapt_scorer,
+            load_adapt_policy,
+            load_requests,
+            request_generator,
+            start_adapter,
+            start_digest,
+            summarize,
+        )
         from tasks.ppo import max_episode_tokens
 
         config = resolve_config(params, overrides)

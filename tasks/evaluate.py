@@ -23,7 +23,6 @@ from pathlib import Path
 
 from tasks.runtime import content_key
 from tasks.settings import PipelineConfig, with_overrides
-from icrl_core.errors import UserError
 
 STAGE = "evaluate"
 # metrics/evaluate.json: evaluate.metric and these; the full record is evaluate.output_dir/metrics.json
@@ -189,8 +188,8 @@ def forgetting_paired_metrics(base_answers: list[dict], trained_answers: list[di
 
 def _evaluate_job(config_json: dict, resume: bool, position: int = 0, threads: int = 0) -> dict:
     """One evaluation run (the config travels as JSON and is validated again); `threads` torch threads (0: as is)."""
-    from tasks.settings import PipelineConfig as Config
     from tasks.icrl_eval import evaluate
+    from tasks.settings import PipelineConfig as Config
 
     config = Config.model_validate(config_json)
     if threads and not config.icrl_eval.threads:

@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from icrl_core.config import EvalConfig, FrozenAdapter
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json, atomic_write_text
 from icrl_core.task_data import task_label
+from tasks.settings import PipelineConfig
 
 STAGE = "icrl_eval"
 # Fields that change speed or bookkeeping only; a resumed run may change them.
@@ -78,7 +78,7 @@ class JsonlLog:
 
     def __init__(self, path: Path):
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8")
+        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across appends; close() closes it
 
     def append(self, record: dict, sync: bool = False) -> None:
         self._handle.write(json.dumps(record) + "\n")
@@ -326,8 +326,8 @@ def prepare_run_dir(config: PipelineConfig, resume: bool) -> tuple[Path, list[di
         if not (run_dir / "config.json").exists():
             raise UserError(f"{run_dir}: not an icrl eval run folder (no config.json)")
         _check_resumable(run_dir, config)
-        steps, dropped = read_jsonl(run_dir / "steps.jsonl")
-        tests, dropped_tests = read_jsonl(run_dir / "tests.jsonl")
+        steps, _ = read_jsonl(run_dir / "steps.jsonl")
+        tests, _ = read_jsonl(run_dir / "tests.jsonl")
         steps = list(itertools.takewhile(lambda pair: pair[1]["step"] == pair[0], enumerate(steps)))
         steps = [record for _, record in steps]
         # A test is logged before its step; a test of an unfinished step is redone.
@@ -350,8 +350,16 @@ def evaluate(config: PipelineConfig, resume: bool = False, progress: bool = True
     share one, each from its own thread), else one is made for this run."""
     import torch
 
-    from icrl_core.icrl_eval import (DebugEvent, EvaluationEvent, Predictor, StepEvent, history_from_events,
-                                     is_supervised, run_protocol, summarize)
+    from icrl_core.icrl_eval import (
+        DebugEvent,
+        EvaluationEvent,
+        Predictor,
+        StepEvent,
+        history_from_events,
+        is_supervised,
+        run_protocol,
+        summarize,
+    )
     from tasks.tracking import stage_run
 
     cfg = config.icrl_eval

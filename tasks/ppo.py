@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from tasks.settings import PipelineConfig
 
 STAGE = "ppo"
 HEADLINE = ("mean_reward_last_20pct", "val_accuracy_after")  # metrics/ppo.json; the rest: output_dir/metrics.json
@@ -65,8 +65,8 @@ def max_episode_tokens(config: PipelineConfig, policy) -> int:
 
 
 def train_worker(config: PipelineConfig, runtime) -> dict:
-    from icrl_core.model import policy_from_config
     from icrl_core.adapter_format import VALUE_HEAD, require_adapter
+    from icrl_core.model import policy_from_config
     from icrl_core.policy_optimization import train_ppo
     from icrl_core.ppo import zero_value_head
     from tasks.runtime import ProgressRuntime
@@ -110,7 +110,6 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 
 def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> None:
     from icrl_core.io import atomic_write_json
-
     from tasks.training import plot_records
 
     policy.save_adapter(out / "adapter")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
 from icrl_core.io import read_user_text
+from tasks.settings import PipelineConfig
 
 STAGE = "promote"
 HEADLINE = ("version", "alias", "metric", "eligible")  # metrics/promote.json; the whole outcome goes to MLflow

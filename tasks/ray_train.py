@@ -25,8 +25,8 @@ from pathlib import Path
 from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
 from icrl_core.device import collective_backend, select_device
 from icrl_core.errors import UserError
-from tasks.settings import PipelineConfig, RayConfig
 from tasks.env import DEFAULTS as ENV_DEFAULTS
+from tasks.settings import PipelineConfig, RayConfig
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,9 @@ def _train_loop(loop_config: dict) -> None:
     cwd = loop_config.get("cwd")
     if cwd and Path(cwd).is_dir():
         os.chdir(cwd)  # stage paths are relative to the project, as on the driver
-    from tasks.tracking import Tracker
-
     import sys
+
+    from tasks.tracking import Tracker
 
     if loop_config.get("module_root") and loop_config["module_root"] not in sys.path:
         sys.path.insert(0, loop_config["module_root"])
@@ -175,8 +175,8 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoin
                      tracker=None) -> dict:
     """Run `train_worker` (a module-level function) as a TorchTrainer job whose workers checkpoint into
     `checkpoint_dir` (tasks/runtime.checkpoint_dir_for); return rank 0's final metrics."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     ensure_ray(config.ray)

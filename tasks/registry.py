@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from tasks.settings import PipelineConfig
 from tasks.tracking import setup, tracking_uri
 
 log = logging.getLogger(__name__)

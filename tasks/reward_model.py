@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from tasks.settings import PipelineConfig
 
 STAGE = "reward_model"
 HEADLINE = ("val_pairwise_accuracy",)  # metrics/reward_model.json; the rest: output_dir/metrics.json

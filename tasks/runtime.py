@@ -17,11 +17,11 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Self
 
 from icrl_core.checkpoint import TrainingState, latest_checkpoint, read_checkpoint, save_rotating
-from tasks.settings import PipelineConfig
 from icrl_core.io import atomic_write_json
+from tasks.settings import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class ProgressRuntime:
     def close(self) -> None:
         self._bar.close()
 
-    def __enter__(self) -> ProgressRuntime:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -25,10 +26,20 @@ import pydantic_core
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from icrl_core.config import (AdaptConfig, AdaptiveKL, BootstrapConfig, CodeConfig, DataConfig, DPOConfig,
-                              EvalConfig, EvaluateConfig, FileSource, FixedKL, FrozenAdapter, LastBlocksAdapter,
-                              LoraAdapter, MixedReward, ModelConfig, ModelReward, PPOConfig, RewardModelConfig,
-                              Section, SyntheticSource, TaskReward, TaskSource, TokenizeConfig)
+from icrl_core.config import (
+    AdaptConfig,
+    BootstrapConfig,
+    CodeConfig,
+    DataConfig,
+    DPOConfig,
+    EvalConfig,
+    EvaluateConfig,
+    ModelConfig,
+    PPOConfig,
+    RewardModelConfig,
+    Section,
+    TokenizeConfig,
+)
 from icrl_core.critic_config import CriticConfig, CriticDistillConfig
 from icrl_core.errors import ConfigError
 from icrl_core.inference.config import InferenceConfig
@@ -95,7 +106,7 @@ class Choice(Section):
     values: Annotated[list[Any], Field(min_length=1)]
 
 
-SearchDomain = Annotated[Union[LogUniform, Uniform, Choice], Field(discriminator="kind")]
+SearchDomain = Annotated[LogUniform | Uniform | Choice, Field(discriminator="kind")]
 
 
 class SweepConfig(Section):
@@ -539,7 +550,7 @@ def _all_tags(model: type[BaseModel] | None = None, seen: set | None = None) -> 
 
 
 
-def _mapping_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
+def _mapping_fields(model: type[BaseModel] | None = None, prefix: str = "") -> set[str]:
     """Dotted paths of dict-typed fields (replaced, not merged, by overrides)."""
     model = model or PipelineConfig
     found = set()
@@ -584,7 +595,7 @@ def _variants(annotation: Any) -> Any:
         return _variants(get_args(annotation)[0])
     if origin in (list, dict):
         return _variants(get_args(annotation)[-1])
-    if origin is Union or str(origin) == "types.UnionType":
+    if origin is Union or origin is types.UnionType:
         found = [a for a in (_variants(x) for x in get_args(annotation)) if a is not None]
         flat = []
         for item in found:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from icrl_core.checkpoint import TrainingState
-from tasks.settings import Choice, LogUniform, PipelineConfig, Uniform, with_overrides
 from icrl_core.io import atomic_write_json
+from tasks.settings import Choice, LogUniform, PipelineConfig, Uniform, with_overrides
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def _trial(trial_params: dict, setup: dict) -> None:
     from ray import tune
 
     os.chdir(setup["cwd"])  # Tune starts trials in their own folder; stage paths are project-relative
-    from tasks.tracking import Tracker, setup as mlflow_setup
+    from tasks.tracking import Tracker
+    from tasks.tracking import setup as mlflow_setup
 
     base = PipelineConfig.model_validate(setup["config"])
     trial_id = tune.get_context().get_trial_id()
@@ -95,7 +96,7 @@ def _trial(trial_params: dict, setup: dict) -> None:
 
     if setup["module_root"] not in sys.path:
         sys.path.insert(0, setup["module_root"])
-    worker = getattr(importlib.import_module(setup["module"]), "train_worker")
+    worker = importlib.import_module(setup["module"]).train_worker
     final = worker(config, TuneRuntime(Path(setup["root"]) / trial_id / "checkpoints", tracker,
                                           base.sweep.metric))
     tracker.log_metrics({k: v for k, v in final.items() if isinstance(v, (int, float))})

@@ -9,8 +9,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from tasks.settings import PipelineConfig
 from icrl_core.errors import UserError
+from tasks.settings import PipelineConfig
 
 STAGE = "tokenize"
 HEADLINE = ("sequences", "tokens")  # metrics/tokenize.json; the rest: output_dir/stats.json
@@ -46,8 +46,14 @@ def tokenize(config: PipelineConfig) -> tuple[dict, Path]:
 
     from icrl_core.chat import Tokens
     from icrl_core.io import atomic_write_json
-    from icrl_core.tokenized import (content_hash, load_tokenizer, tokenize_episodes, tokenized_stats,
-                                     tokenizer_identity, write_tokenized)
+    from icrl_core.tokenized import (
+        content_hash,
+        load_tokenizer,
+        tokenize_episodes,
+        tokenized_stats,
+        tokenizer_identity,
+        write_tokenized,
+    )
 
     started = time.perf_counter()
     folder = Path(config.data.output_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -81,7 +82,7 @@ class Tracker:
 
         now = int(time.time() * 1000)
         clean = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)]
         if clean:
             self._client.log_batch(self.run_id, metrics=clean)
 

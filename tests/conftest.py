@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks.env import apply_defaults  # noqa: E402
+from tasks.env import apply_defaults
 
 apply_defaults()
 os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / "prefect-test-home"))
@@ -75,7 +75,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 
     exe = Path(sys.executable).parent / "icrl"
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, capture_output=True, text=True,
+    return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, check=False, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -23,10 +23,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from icrl_core.code_reward import CodeConfig, extract_code, score_many  # noqa: E402
-from icrl_core.code_tasks import split_tasks  # noqa: E402
-from icrl_core.io import atomic_write_json  # noqa: E402
-from icrl_core.model import load_policy  # noqa: E402
+from icrl_core.code_reward import CodeConfig, extract_code, score_many
+from icrl_core.code_tasks import split_tasks
+from icrl_core.io import atomic_write_json
+from icrl_core.model import load_policy
 
 INSTRUCTION = ("Complete this Python function. Reply with the whole function (signature, docstring and body) in "
                "a single ```python code block.\n\n```python\n{prompt}```")

@@ -157,7 +157,7 @@ class StreamBatcher:
                     results = ragged_forward(jobs[0].policy, [(j.ids, j.positions, j.cache, j.mask) for j in jobs])
                     for job, result in zip(jobs, results):
                         job.result = result
-            except BaseException as error:  # every stream of the failed pass sees the error
+            except BaseException as error:  # noqa: BLE001 - every stream of the failed pass sees the error
                 for job in jobs:
                     job.error = error
             self.batches += 1

@@ -172,7 +172,7 @@ class _Combiner:
                 flat = [r for j in jobs for r in j.requests]
                 try:
                     results, computed = self.run(flat)
-                except BaseException as error:  # every waiting caller gets the error, not a hang
+                except BaseException as error:  # noqa: BLE001 - every waiting caller gets the error, not a hang
                     for j in jobs:
                         j.error = error
                 else:

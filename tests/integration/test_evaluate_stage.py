@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.settings import load_config, with_overrides
 from tasks.evaluate import run_evaluations
+from tasks.settings import load_config, with_overrides
 from tests.unit.test_evaluate_stage import _configs
 
 
@@ -40,9 +40,9 @@ def test_runs_as_streams_of_one_engine_equal_runs_in_turn(tmp_path):
 
 
 def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_tmp):
-    from tasks.settings import with_overrides
     from tasks.evaluate import cached_result, result_key, store_result
     from tasks.icrl_eval import evaluate
+    from tasks.settings import with_overrides
 
     config = _configs(in_tmp / "runs")[0]
     assert cached_result(config) is None
@@ -141,10 +141,10 @@ def test_a_run_resumes_after_its_adapter_moved(in_tmp):
     """The work folder is named by the adapter's bytes, so a run of a moved (same-bytes) adapter resumes."""
     import shutil
 
-    from tasks.settings import with_overrides
     from icrl_core.model import policy_from_config
     from tasks.evaluate import evaluation_results, work_config
     from tasks.icrl_eval import evaluate
+    from tasks.settings import with_overrides
 
     config = _configs(in_tmp / "runs")[1]
     policy_from_config(config.model).save_adapter(in_tmp / "first")

@@ -28,7 +28,7 @@ json.dump({"kl_beta_seen": params["ppo"]["kl_beta"]}, open("metrics/one.json", "
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True)
+    result = subprocess.run(list(args), cwd=cwd, check=False, capture_output=True, text=True)
     assert result.returncode == 0, f"{args}: {result.stdout}\n{result.stderr}"
     return result
 
@@ -88,10 +88,9 @@ def test_a_failed_experiment_restores_params_and_saves_nothing(project):
     from flows.pipeline import dvc_experiment
 
     before = _snapshot(project)
-    with pytest.raises(RuntimeError, match="stage failed"):
-        with dvc_experiment({"ppo.kl_beta": 0.7}, "broken"):
-            _dvc("repro", cwd=project)
-            raise RuntimeError("stage failed")
+    with pytest.raises(RuntimeError, match="stage failed"), dvc_experiment({"ppo.kl_beta": 0.7}, "broken"):
+        _dvc("repro", cwd=project)
+        raise RuntimeError("stage failed")
     assert _snapshot(project) == before
     assert not _run("git", "for-each-ref", "refs/exps", cwd=project).stdout.strip()
     with pytest.raises(UserError, match="exists already"):
@@ -99,9 +98,9 @@ def test_a_failed_experiment_restores_params_and_saves_nothing(project):
             _dvc("repro", cwd=project)
         with dvc_experiment({"ppo.kl_beta": 0.6}, "named"):
             pass
-    with pytest.raises(Exception, match="ppo.kl_beta"):  # an invalid value fails before anything runs
-        with dvc_experiment({"ppo.kl_beta": "lots"}, "invalid"):
-            pass
+    # an invalid value fails before anything runs
+    with pytest.raises(Exception, match="ppo.kl_beta"), dvc_experiment({"ppo.kl_beta": "lots"}, "invalid"):
+        pass
     assert (project / "params.yaml").read_bytes() == before["params.yaml"]
 
 

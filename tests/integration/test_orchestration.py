@@ -64,7 +64,7 @@ def _free_port() -> int:
 
 def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
-    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    result = subprocess.run(args, cwd=cwd, check=False, capture_output=True, text=True, timeout=timeout, env=full_env)
     assert result.returncode == 0, f"{args} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
 
@@ -192,8 +192,8 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
             conditions["n4_right"]["p_target"] - conditions["n4_wrong"]["p_target"])
         assert 0 < evaluated[f"feedback_p_target_n0_{which}"] < 1
     # the real gates decided the alias: a version that fails them is never the champion
-    from tasks.settings import load_config
     from tasks.evaluate import gates
+    from tasks.settings import load_config
 
     promoted = json.loads((project / "metrics" / "promote.json").read_text())
     decided = gates(evaluated, load_config(project / "params.yaml", [], environ={}).evaluate)
@@ -258,7 +258,8 @@ def test_a_bootstrap_rerun_with_the_same_weights_reruns_nothing_downstream(proje
     _run([str(BIN / "dvc"), "repro", "--force", "--single-item", "bootstrap"], project)
     assert (project / "artifacts" / "bootstrap" / "adapter" / "adapter_model.safetensors").read_bytes() == before
     assert bootstrap_lock()["artifacts/bootstrap"] != old["artifacts/bootstrap"]  # metrics.json's timings moved
-    output = (lambda r: r.stdout + r.stderr)(_run([str(BIN / "dvc"), "repro", *PIPELINE], project))
+    rerun = _run([str(BIN / "dvc"), "repro", *PIPELINE], project)
+    output = rerun.stdout + rerun.stderr
     assert "Running stage" not in output, output
 
 
@@ -282,11 +283,11 @@ TINY_PPO = [
 
 @pytest.fixture(scope="module")
 def ray_folder(tmp_path_factory):
+    import tempfile
+
     import ray
 
     from tests.ppo_helpers import write_keyword_dataset
-
-    import tempfile
 
     # Ray puts AF_UNIX sockets under the working folder (.icrl/ray): keep the path short (107 bytes max).
     folder = Path(tempfile.mkdtemp(prefix="icrl-ray-", dir="/tmp"))
@@ -301,9 +302,9 @@ def ray_folder(tmp_path_factory):
 
 def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monkeypatch):
     from icrl_core.checkpoint import latest_checkpoint
-    from tasks.settings import load_config
     from tasks.ppo import run
     from tasks.runtime import checkpoint_dir_for
+    from tasks.settings import load_config
 
     config = load_config(None, TINY_PPO + ["tracking.enabled=false", "ray.enabled=true", "ray.num_workers=2",
                                            "ray.max_failures=2", "ppo.max_steps=6", "ppo.save_steps=1"],

@@ -90,7 +90,7 @@ def test_ppo_resumes_after_sigkill_with_the_same_final_metrics(tmp_path):
     # A truncated checkpoint is refused with a clear message, never loaded or skipped silently.
     backup = tmp_path / "backup"
     shutil.copytree(checkpoint.parent, backup)
-    latest = sorted(checkpoint.parent.glob("step-*"))[-1]
+    latest = max(checkpoint.parent.glob("step-*"))
     weights = latest / "trainable.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     refused = run_cli(*args, cwd=killed)
@@ -109,7 +109,7 @@ def test_ppo_resumes_after_sigkill_with_the_same_final_metrics(tmp_path):
             (uninterrupted / "artifacts/ppo/adapter" / name).read_bytes()
     history = json.loads((killed / "artifacts/ppo/history.json").read_text())
     reference_history = json.loads((uninterrupted / "artifacts/ppo/history.json").read_text())
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rows]
     assert strip(history) == strip(reference_history)
 
 

@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from icrl_core.checkpoint import latest_checkpoint
-from tasks.settings import load_config
 from tasks.runtime import checkpoint_dir_for, launch
+from tasks.settings import load_config
 from tests.conftest import own_ray_train_workers
 from tests.support.toy_stage import train_worker
 

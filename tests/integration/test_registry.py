@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.settings import load_config
 from icrl_core.errors import UserError
 from icrl_core.model import load_policy
 from tasks.registry import CHALLENGER, CHAMPION, load_registered_policy, run_promotion
+from tasks.settings import load_config
 
 pytestmark = pytest.mark.integration
 

@@ -53,8 +53,8 @@ def test_bootstrap_stage_samples_replay_chats_once_and_reuses_them(tmp_path, mon
     the output folder is gone reuses them, training-only settings do not matter, changed settings sample again."""
     import shutil
 
-    from tasks.settings import PipelineConfig, with_overrides
     from tasks.bootstrap import REPLAY_CACHE, replay_chats, replay_key
+    from tasks.settings import PipelineConfig, with_overrides
     from tests.conftest import TASKS_DIR
 
     monkeypatch.chdir(tmp_path)

@@ -16,8 +16,8 @@ from tests.unit.test_reward_model import TINY, _toy_pairs
 
 
 def _cfg(**kw):
-    base = dict(max_steps=12, batch_size=4, grad_accum=1, save_steps=4, eval_steps=6, learning_rate=1e-3,
-                head_learning_rate=3e-2, warmup_steps=0, lr_schedule="constant")
+    base = {"max_steps": 12, "batch_size": 4, "grad_accum": 1, "save_steps": 4, "eval_steps": 6, "learning_rate": 1e-3,
+            "head_learning_rate": 3e-2, "warmup_steps": 0, "lr_schedule": "constant"}
     base.update(kw)
     return RewardModelConfig(**base)
 

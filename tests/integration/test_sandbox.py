@@ -18,7 +18,8 @@ from icrl_core.sandbox import SandboxConfig, namespaces_available, resolve_isola
 from tests.conftest import ROOT
 
 WALL = 2.0
-LIMITS = dict(wall_seconds=WALL, cpu_seconds=2, memory_mb=256, max_processes=8, max_output_bytes=1 << 16)
+LIMITS = {"wall_seconds": WALL, "cpu_seconds": 2, "memory_mb": 256, "max_processes": 8,
+          "max_output_bytes": 1 << 16}
 TASK = next(t for t in code_tasks() if t.template == "add_constant")  # def add_K(x: int) -> int
 K = int(TASK.name.split("_")[1])
 

@@ -4,6 +4,7 @@ stage needs no built dataset and writes its outputs. Its parts: tests/unit/test_
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -54,7 +55,8 @@ def test_stream_training_resumes_exactly(policy):
     _, resumed, resumed_evals = train(cfg, MemoryRuntime(saved))
 
     def timeless(rows):
-        return [{k: (None if v != v else v) for k, v in row.items() if "seconds" not in k} for row in rows]  # NaN
+        return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()
+                 if "seconds" not in k} for row in rows]
 
     assert timeless(resumed) == timeless(history) and resumed_evals[-1] == evals[-1]
     diffs = {k: float((weights[k] - v).abs().max()) for k, v in trainable_tensors(policy).items()}

@@ -18,8 +18,8 @@ from tests.unit.test_supervised import _lora_policy
 
 
 def _cfg(**kw):
-    base = dict(max_steps=6, batch_size=2, grad_accum=2, save_steps=3, eval_steps=3, learning_rate=5e-3,
-                kl_beta=0.1, max_eval_episodes=4, warmup_steps=1)
+    base = {"max_steps": 6, "batch_size": 2, "grad_accum": 2, "save_steps": 3, "eval_steps": 3, "learning_rate": 5e-3,
+            "kl_beta": 0.1, "max_eval_episodes": 4, "warmup_steps": 1}
     base.update(kw)
     return BootstrapConfig(**base)
 

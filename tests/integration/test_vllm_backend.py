@@ -15,13 +15,13 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not importable: the vllm extra is not installed (make setup-vllm, "
                     "docs/INFERENCE.md)")
 
-import torch  # noqa: E402
+import torch
 
-from icrl_core.chat import Conversation, chat_prompt_ids  # noqa: E402
-from icrl_core.errors import UserError  # noqa: E402
-from icrl_core.icrl_eval import sample_child  # noqa: E402
-from icrl_core.inference.base import ContinuationRequest, TrieRequest, branching_nodes, walk_scores  # noqa: E402
-from icrl_core.kernels import LabelTrie  # noqa: E402
+from icrl_core.chat import Conversation, chat_prompt_ids
+from icrl_core.errors import UserError
+from icrl_core.icrl_eval import sample_child
+from icrl_core.inference.base import ContinuationRequest, TrieRequest, branching_nodes, walk_scores
+from icrl_core.kernels import LabelTrie
 
 pytestmark = pytest.mark.real_model
 
@@ -135,7 +135,7 @@ def test_trie_scores_match_the_exact_reference(engine, reference, task):
         picks = []
         for scores in (got, want):
             rng = np.random.default_rng(7)
-            draw = lambda node, v, rng=rng: sample_child(v, temperature, rng)  # noqa: E731
+            draw = lambda node, v, rng=rng, temperature=temperature: sample_child(v, temperature, rng)
             picks.append([trie.label_of_leaf[walk_scores(trie, s, draw)] for s in scores for _ in range(5)])
         assert picks[0] == picks[1]
 

@@ -80,8 +80,8 @@ def test_adaptation_trains_a_temporary_copy_and_restores_the_adapter(scorer):
 def test_minibatched_steps_give_the_one_batch_gradient_and_rollouts_come_in_chunks():
     """The adapt stage bounds memory (rollout_batch, minibatch_size) without changing what a step computes."""
     from icrl_core.adapt import accumulate_answer_nll, answer_nll, sample_rollouts
-    from icrl_core.rollout import score_rollouts
     from icrl_core.model import load_policy
+    from icrl_core.rollout import score_rollouts
     from tests.ppo_helpers import keyword_episodes
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
@@ -100,8 +100,12 @@ def test_minibatched_steps_give_the_one_batch_gradient_and_rollouts_come_in_chun
         return value, [p.grad.clone() for p in params]
 
     policy.train()
-    whole, whole_grad = gradient(lambda: (lambda loss: (loss.backward(), loss.item())[1])(
-        answer_nll(policy, rollouts)))
+    def whole_loss():
+        loss = answer_nll(policy, rollouts)
+        loss.backward()
+        return loss.item()
+
+    whole, whole_grad = gradient(whole_loss)
     accumulated, accumulated_grad = gradient(lambda: accumulate_answer_nll(policy, rollouts, minibatch_size=2))
     policy.eval()
     assert accumulated == pytest.approx(whole, rel=1e-5)

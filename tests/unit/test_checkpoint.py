@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from icrl_core.checkpoint import (TrainingState, capture_rng, latest_checkpoint, read_checkpoint, restore_rng,
-                                  save_rotating, write_checkpoint)
+from icrl_core.checkpoint import (
+    TrainingState,
+    capture_rng,
+    latest_checkpoint,
+    read_checkpoint,
+    restore_rng,
+    save_rotating,
+    write_checkpoint,
+)
 from icrl_core.errors import CheckpointError
 
 

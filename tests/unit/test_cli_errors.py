@@ -10,6 +10,7 @@ tests/integration/test_cli_errors.py."""
 from __future__ import annotations
 
 import enum
+import types
 import typing
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def leaf_commands():
 
 
 def _scalar(annotation):
-    """The element type of an annotation (list[Path] -> Path, Optional[int] -> int)."""
-    while typing.get_origin(annotation) in (list, typing.Union):
+    """The element type of an annotation (list[Path] -> Path, Optional[int] or int | None -> int)."""
+    while typing.get_origin(annotation) in (list, typing.Union, types.UnionType):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     return annotation
 

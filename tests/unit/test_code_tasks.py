@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from icrl_core.code_reward import (CodeConfig, CodeRewardConfig, HarnessReport, complexity_score, compose,
-                                   cyclomatic_complexity, docstring_score, extract_code, length_penalty,
-                                   lint_findings, score_many, time_efficiency)
+from icrl_core.code_reward import (
+    CodeConfig,
+    CodeRewardConfig,
+    HarnessReport,
+    complexity_score,
+    compose,
+    cyclomatic_complexity,
+    docstring_score,
+    extract_code,
+    length_penalty,
+    lint_findings,
+    score_many,
+    time_efficiency,
+)
 from icrl_core.code_tasks import TEST_TEMPLATES, code_tasks, split_tasks, summary
 
 

@@ -6,8 +6,14 @@ import pytest
 import yaml
 
 from icrl_core.config import AdaptiveKL, LastBlocksAdapter
-from tasks.settings import (ConfigError, PipelineConfig, config_to_flat_params, describe_fields, load_config,
-                            with_overrides)
+from tasks.settings import (
+    ConfigError,
+    PipelineConfig,
+    config_to_flat_params,
+    describe_fields,
+    load_config,
+    with_overrides,
+)
 from tests.conftest import ROOT
 
 

@@ -11,13 +11,22 @@ import pytest
 import torch
 
 from icrl_core.config import FileSource, SyntheticSource, TaskSource
-from tasks.settings import load_config
-from icrl_core.dataset_build import (allocate, apply_budget, build_episodes, dataset_card, label_log_likelihoods,
-                                     model_rejected_answers, policy_predictor, resolve_sources, split_of,
-                                     support_key)
+from icrl_core.dataset_build import (
+    allocate,
+    apply_budget,
+    build_episodes,
+    dataset_card,
+    label_log_likelihoods,
+    model_rejected_answers,
+    policy_predictor,
+    resolve_sources,
+    split_of,
+    support_key,
+)
 from icrl_core.episodes import read_episodes, render_episode
 from icrl_core.errors import EpisodeFileError, UserError
 from icrl_core.task_data import keyword_map, load_task
+from tasks.settings import load_config
 from tests.conftest import ROOT
 from tests.stage_helpers import keyword_data, stage_args
 

@@ -19,7 +19,7 @@ COMPOSE = ROOT / "docker" / "compose.yaml"
 
 def test_dockerfile_passes_hadolint():
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
+    result = subprocess.run([hadolint, str(DOCKERFILE)], check=False, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -28,7 +28,7 @@ def test_dockerfile_matches_project_pins():
     pyproject = (ROOT / "pyproject.toml").read_text()
     # torch: an exact pin (no build label) in constraints.txt, a range in pyproject.toml, read by the Dockerfile
     # and the Makefile from constraints.txt
-    assert re.search(r"^torch==[0-9.]+$", (ROOT / "constraints.txt").read_text(), re.M)
+    assert re.search(r"^torch==[0-9.]+$", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
     assert re.search(r'"torch>=[0-9.]+,<[0-9.]+"', pyproject)
     assert "grep '^torch==' constraints.txt" in text and '--index-url "${TORCH_INDEX_URL}"' in text
     makefile = (ROOT / "Makefile").read_text()

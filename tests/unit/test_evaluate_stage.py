@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from icrl_core.config import EvaluateConfig
-from tasks.settings import load_config
 from tasks.evaluate import _eval_config, gates
+from tasks.settings import load_config
 
 
 def _configs(folder: Path) -> list:
@@ -55,9 +55,9 @@ def test_promotion_gates():
 def test_a_trained_adapter_is_known_by_its_bytes_not_its_path(in_tmp):
     import shutil
 
-    from tasks.settings import with_overrides
     from icrl_core.model import policy_from_config
     from tasks.evaluate import result_key
+    from tasks.settings import with_overrides
 
     config = _configs(in_tmp / "runs")[0]
     policy = policy_from_config(config.model)

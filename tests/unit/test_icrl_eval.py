@@ -12,11 +12,31 @@ from pydantic import ValidationError
 from icrl_core.config import EvalConfig, EvaluateConfig
 from icrl_core.episodes import Episode, Exemplar, Query, render_episode
 from icrl_core.errors import UserError
-from icrl_core.icrl_eval import (Approximate, EpisodeRecord, Explorative, Naive, NaivePlus, Predictor, Show,
-                                 StepEvent, SupervisedICL, decode_rng, flip_draw, is_supervised,
-                                 make_strategy, max_context_examples, needed_nodes, render_context, render_query,
-                                 run_protocol, sample_child, show_for, summarize, evaluation_steps,
-                                 behaviour)
+from icrl_core.icrl_eval import (
+    Approximate,
+    EpisodeRecord,
+    Explorative,
+    Naive,
+    NaivePlus,
+    Predictor,
+    Show,
+    StepEvent,
+    SupervisedICL,
+    behaviour,
+    decode_rng,
+    evaluation_steps,
+    flip_draw,
+    is_supervised,
+    make_strategy,
+    max_context_examples,
+    needed_nodes,
+    render_context,
+    render_query,
+    run_protocol,
+    sample_child,
+    show_for,
+    summarize,
+)
 from icrl_core.kernels import LabelTrie, PrefixCache
 from icrl_core.prompting import template_for
 from icrl_core.task_data import keyword_map, load_task

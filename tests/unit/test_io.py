@@ -46,7 +46,8 @@ def _old_version(tmp_path: Path) -> Path:
 
 
 def _crash(target: Path, step: str) -> None:
-    done = subprocess.run([sys.executable, "-c", WRITER, str(target), step], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", WRITER, str(target), step], cwd=ROOT, check=False,
+                          capture_output=True, text=True)
     assert done.returncode == 9, done.stderr
 
 
@@ -87,13 +88,11 @@ def test_replace_and_no_overwrite_in_both_modes(tmp_path, monkeypatch):
             with atomic_dir(target) as tmp:
                 (tmp / "file.txt").write_text(text)
             assert (target / "file.txt").read_text() == text
-        with pytest.raises(FileExistsError):
-            with atomic_dir(target, overwrite=False) as tmp:
-                (tmp / "file.txt").write_text("three")
+        with pytest.raises(FileExistsError), atomic_dir(target, overwrite=False) as tmp:
+            (tmp / "file.txt").write_text("three")
         assert (target / "file.txt").read_text() == "two" and _hidden(target) == []
         # a failure inside the block leaves the old version and no temporary folder
-        with pytest.raises(RuntimeError):
-            with atomic_dir(target) as tmp:
-                (tmp / "file.txt").write_text("half")
-                raise RuntimeError("writer failed")
+        with pytest.raises(RuntimeError), atomic_dir(target) as tmp:
+            (tmp / "file.txt").write_text("half")
+            raise RuntimeError("writer failed")
         assert (target / "file.txt").read_text() == "two" and _hidden(target) == []

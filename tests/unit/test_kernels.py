@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from icrl_core.kernels import (ROOT, LabelTrie, PrefixCache, TreeScorer, chain_nodes, clone_cache_prefix,
-                               common_prefix_length)
+from icrl_core.kernels import (
+    ROOT,
+    LabelTrie,
+    PrefixCache,
+    TreeScorer,
+    chain_nodes,
+    clone_cache_prefix,
+    common_prefix_length,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,8 +11,15 @@ from icrl_core.chat import chat_prompt_ids
 from icrl_core.config import LoraAdapter
 from icrl_core.errors import UserError
 from icrl_core.model import load_policy
-from icrl_core.replay import (ReplaySequence, pad_replay, read_replay, replay_kl, replay_prompts, sample_replies,
-                              write_replay)
+from icrl_core.replay import (
+    ReplaySequence,
+    pad_replay,
+    read_replay,
+    replay_kl,
+    replay_prompts,
+    sample_replies,
+    write_replay,
+)
 from icrl_core.supervised import replay_micro_step, replay_objective
 
 TEXTS = [f"how do I do thing number {i}?" for i in range(40)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 def test_checkpoint_key_changes_only_with_what_the_stage_depends_on():
-    from tasks.settings import PipelineConfig, with_overrides
     from tasks.runtime import checkpoint_dir_for
+    from tasks.settings import PipelineConfig, with_overrides
 
     base = PipelineConfig()
     key = checkpoint_dir_for(base, "bootstrap")

@@ -13,7 +13,7 @@ from icrl_core.config import DataConfig, LoraAdapter, PPOConfig, SyntheticSource
 from icrl_core.dataset_build import resolve_sources
 from icrl_core.objectives import OBJECTIVE_KINDS
 from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head
-from icrl_core.stream_rl import group_step_advantages, stream_step, step_sums
+from icrl_core.stream_rl import group_step_advantages, step_sums, stream_step
 
 T = torch.tensor
 DATA = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)

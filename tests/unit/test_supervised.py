@@ -10,12 +10,20 @@ import pytest
 import torch
 
 from icrl_core.config import LoraAdapter
+from icrl_core.distributed import shard
 from icrl_core.model import load_policy
 from icrl_core.objectives import kl_policy_base
-from icrl_core.supervised import (batch_indices, bootstrap_micro_step, bootstrap_objective, bradley_terry_loss,
-                                  evaluate_bootstrap, make_scheduler, masked_token_cross_entropy,
-                                  pad_episodes, query_accuracy)
-from icrl_core.distributed import shard
+from icrl_core.supervised import (
+    batch_indices,
+    bootstrap_micro_step,
+    bootstrap_objective,
+    bradley_terry_loss,
+    evaluate_bootstrap,
+    make_scheduler,
+    masked_token_cross_entropy,
+    pad_episodes,
+    query_accuracy,
+)
 from tests.stage_helpers import keyword_rows
 
 

@@ -7,11 +7,19 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.settings import load_config
 from icrl_core.episodes import read_episodes, render_episode, write_episodes
 from icrl_core.errors import UserError
-from icrl_core.tokenized import (SCHEMA, content_hash, read_tokenized, tokenize_episodes, tokenized_path,
-                                 tokenized_stats, tokenizer_identity, write_tokenized)
+from icrl_core.tokenized import (
+    SCHEMA,
+    content_hash,
+    read_tokenized,
+    tokenize_episodes,
+    tokenized_path,
+    tokenized_stats,
+    tokenizer_identity,
+    write_tokenized,
+)
+from tasks.settings import load_config
 from tests.conftest import ROOT
 from tests.stage_helpers import stage_args
 
@@ -35,7 +43,7 @@ def test_rows_follow_the_renderer(tokens):
 
 
 def test_episodes_over_budget_are_reported(tokens):
-    rows, too_long = tokenize_episodes(read_episodes(EXAMPLES), "train", tokens, 40)
+    _, too_long = tokenize_episodes(read_episodes(EXAMPLES), "train", tokens, 40)
     assert too_long and "does not fit 40 tokens" in too_long[0]
 
 

@@ -4,7 +4,6 @@ checkpoint resumes to the uninterrupted result."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -24,7 +24,7 @@ DOCUMENTS = [ROOT / "README.md", ROOT / "experiments" / "icrl_skill" / "REPORT.m
              ROOT / "docs" / "ASYNC.md",
              ROOT / "experiments" / "icrl_stream_rl" / "REPORT.md", ROOT / "experiments" / "code_rl" / "README.md",
              ROOT / "docs" / "SANDBOX.md", ROOT / "experiments" / "critic" / "README.md"]
-BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
+BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.DOTALL)
 
 
 def _json(relative: str) -> dict:

@@ -27,7 +27,7 @@ def main() -> None:
         return json.loads((art / name / "metrics.json").read_text())
 
     walls = {m.group(1): float(m.group(2)) for m in
-             re.finditer(r"^(\w+) wall ([\d.]+) s$", (args.workspace / "runs/go.log").read_text(), re.M)}
+             re.finditer(r"^(\w+) wall ([\d.]+) s$", (args.workspace / "runs/go.log").read_text(), re.MULTILINE)}
     data, critic = metrics("critic_data"), metrics("critic")
     reverse_kl, rft = metrics("critic_distill"), metrics("critic_rft")
     decisions = {

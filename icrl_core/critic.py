@@ -1158,6 +1158,7 @@ h1 { font-size: 1.2em; } h2 { font-size: 1em; margin-top: 1.5em; }
 .tok { border-radius: 2px; padding: 1px 0; }
 .legend span { display: inline-block; width: 3.5em; text-align: center; font-family: monospace; }
 .meta { color: #555; font-size: .9em; }
+summary { color: #666; font-size: .85em; cursor: pointer; margin: .3em 0; }
 """
 
 
@@ -1165,7 +1166,8 @@ def render_q_html(title: str, trajectories: Sequence[dict], low: float | None = 
                   high: float | None = None) -> str:
     """A self-contained HTML page (inline CSS, no scripts or external resources) showing each trajectory's tokens
     coloured by their Q-value (hover: the value). Each trajectory is a dict with `pieces` (the decoded text of each
-    token), `q` (one value per token), and optional `prompt`, `heading`, `meta` (a short line under the heading).
+    token), `q` (one value per token), and optional `prompt` (shown folded), `heading`, `meta` (a short line under
+    the heading).
     The colour scale spans [low, high] (default: the range of all values)."""
     values = [q for t in trajectories for q in t["q"] if q is not None and math.isfinite(q)]
     low = min(values, default=0.0) if low is None else low
@@ -1184,8 +1186,9 @@ def render_q_html(title: str, trajectories: Sequence[dict], low: float | None = 
         parts.append(f"<h2>{html.escape(str(trajectory.get('heading', f'trajectory {number}')))}</h2>")
         if trajectory.get("meta"):
             parts.append(f'<div class="meta">{html.escape(str(trajectory["meta"]))}</div>')
-        if trajectory.get("prompt"):
-            parts.append(f'<div class="prompt">{html.escape(trajectory["prompt"])}</div>')
+        if trajectory.get("prompt"):  # folded (a native <details>, no script): the tokens are what the page shows
+            parts.append(f'<details><summary>prompt ({len(trajectory["prompt"])} characters)</summary>'
+                         f'<div class="prompt">{html.escape(trajectory["prompt"])}</div></details>')
         spans = []
         for piece, q in zip(trajectory["pieces"], trajectory["q"]):
             if q is None or not math.isfinite(q):

@@ -241,6 +241,14 @@ def readme_headline() -> str:
                          f"seed {name.split('-')[1]}",
                          _fmt(base_code), _fmt(found["greedy"]["overall"]["pass_at_1"]),
                          "improves" if code["decisions"][name]["improves_held_out_pass_at_1"] else "within noise"])
+    critic_path = ROOT / "experiments/critic/results_run2.json"
+    if critic_path.exists():
+        critic = _json("experiments/critic/results_run2.json")["critic"]
+        rows.append([f"[in-context critic](experiments/critic/README.md) (AUC {critic['val_auc']:.2f}): reward of "
+                     f"{critic['q_samples_per_prompt']:.0f} samples per held-out prompt, plain vs Q-weighted",
+                     _fmt(critic["plain_sampling_reward"]), _fmt(critic["q_weighted_reward"]),
+                     f"{critic['q_minus_plain']:+.3f} [{critic['q_minus_plain_low']:+.3f}, "
+                     f"{critic['q_minus_plain_high']:+.3f}]"])
     speed_line = (f"Speed: exact KV-cache reuse runs explorative in-context RL at {speed['explorative']['speedup_steps_per_s']:.2f}x "
                   f"and naive at {speed['naive']['speedup_steps_per_s']:.2f}x the steps/s of recomputing every prompt "
                   f"(identical predictions); one policy-optimisation iteration runs at "
@@ -375,7 +383,56 @@ def critic_first_run() -> str:
             f"`{r['commit'][:7]}`.\n")
 
 
+def critic_run2() -> str:
+    """The critic's pre-registered second run (experiments/critic/results_run2.json)."""
+    path = ROOT / "experiments/critic/results_run2.json"
+    if not path.exists():
+        return "Not run yet: the commands in PREREGISTERED.md, then `experiments/critic/collect.py`.\n"
+    r = _json("experiments/critic/results_run2.json")
+    data, critic, rkl, rft, d = r["critic_data"], r["critic"], r["reverse_kl"], r["rft"], r["decisions"]
+
+    def verdict(held: bool) -> str:
+        return "yes" if held else "**no**"
+
+    def interval(key: str) -> str:
+        return f"{critic[key]:+.3f} [{critic[key + '_low']:+.3f}, {critic[key + '_high']:+.3f}]"
+
+    n = critic["q_samples_per_prompt"]
+    rows = [
+        ["1. held-out AUC of P(success) at an attempt's last token (95% CI over prompts); goal >= 0.7",
+         f"{critic['val_auc']:.3f} [{critic['val_auc_low']:.3f}, {critic['val_auc_high']:.3f}]",
+         f"met: {verdict(d['auc_goal_met'])}; established (CI above 0.7): {verdict(d['auc_goal_established'])}"],
+        [f"2. reward of {n:.0f} samples per prompt: Q-weighted / plain from the reference / min-p only (control)",
+         f"{critic['q_weighted_reward']:.3f} / {critic['plain_sampling_reward']:.3f} / "
+         f"{critic['min_p_sampling_reward']:.3f}",
+         f"Q - plain {interval('q_minus_plain')}: beats plain {verdict(d['q_weighted_beats_plain'])}; "
+         f"Q - min-p {interval('q_minus_min_p')}"],
+        [f"3. policy reward on held-out prompts, before -> after {rkl['step']:.0f} steps: reverse-KL distillation / "
+         "rejection fine-tuning", f"{rkl['val_reward_before']:.3f} -> {rkl['val_reward']:.3f} / "
+         f"{rft['val_reward_before']:.3f} -> {rft['val_reward']:.3f}",
+         f"reverse-KL raises it: {verdict(d['reverse_kl_raises_reward'])}; reverse-KL - RFT "
+         f"{d['reverse_kl_vs_rft']:+.3f}"],
+        [f"4. best-of-{critic['candidates_per_prompt']:.0f}: critic's pick / random / majority vote / oracle",
+         f"{critic['best_of_n_reward']:.3f} / {critic['random_of_n_reward']:.3f} / "
+         f"{critic['consistency_reward']:.3f} / {critic['oracle_reward']:.3f}",
+         f"critic beats random: {verdict(d['best_of_n_beats_random'])}"],
+        ["calibration: ECE / Brier; AUC at the first token", f"{critic['val_ece']:.3f} / {critic['val_brier']:.3f}; "
+         f"{critic['val_auc_first_token']:.3f}", f"untrained AUC {critic['val_auc_before']:.3f}"],
+    ]
+    walls = [f"{name} {r[key]['wall_seconds'] / 60:.0f} min" for name, key in
+             (("critic_data", "critic_data"), ("critic", "critic"), ("reverse-KL", "reverse_kl"), ("RFT", "rft"))
+             if r[key].get("wall_seconds")]
+    return (_table(["pre-registered measure (64 held-out prompts unless stated)", "value", "decision"], rows)
+            + f"\nData: {data['trajectories']} sampled answers ({data['train_prompts']} train + {data['val_prompts']} "
+            f"held-out prompts x 8), success rate {data['train_success_rate']:.3f} train / "
+            f"{data['val_success_rate']:.3f} held-out, {data['val_mixed_prompts']} of {data['val_prompts']} held-out "
+            f"prompts with mixed outcomes; {critic['val_trajectories']:.0f} evaluated attempts for the AUC. "
+            f"Seed {r['seed']}, one torch thread each, {r['machine_load']}: {', '.join(walls)}; at "
+            f"`{r['commit'][:7]}`.\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "critic-run2": critic_run2,
     "critic-first-run": critic_first_run,
     "bench-sandbox": bench_sandbox,
     "code-rl": code_rl,

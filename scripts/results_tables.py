@@ -244,7 +244,7 @@ def readme_headline() -> str:
     critic_path = ROOT / "experiments/critic/results_run2.json"
     if critic_path.exists():
         critic = _json("experiments/critic/results_run2.json")["critic"]
-        rows.append([f"[in-context critic](experiments/critic/README.md) (AUC {critic['val_auc']:.2f}): reward of "
+        rows.append([f"[in-context critic](experiments/critic/README.md) (AUC {critic['val_auc']:.2f}): reward, "
                      f"{critic['q_samples_per_prompt']:.0f} samples per held-out prompt, plain vs Q-weighted",
                      _fmt(critic["plain_sampling_reward"]), _fmt(critic["q_weighted_reward"]),
                      f"{critic['q_minus_plain']:+.3f} [{critic['q_minus_plain_low']:+.3f}, "

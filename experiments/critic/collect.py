@@ -3,7 +3,7 @@
     python experiments/critic/collect.py --workspace /work/exp-critic --commit 6fdc6fb
 
 Reads the workspace's artifacts/{critic_data,critic,critic_distill,critic_rft}/metrics.json and the wall times
-that runs/go.log recorded (`<stage> wall <seconds> s`), and applies the pre-registered decisions."""
+that runs/*.log recorded (`<stage> wall <seconds> s`), and applies the pre-registered decisions."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def main() -> None:
     def metrics(name: str) -> dict:
         return json.loads((art / name / "metrics.json").read_text())
 
-    walls = {m.group(1): float(m.group(2)) for m in
-             re.finditer(r"^(\w+) wall ([\d.]+) s$", (args.workspace / "runs/go.log").read_text(), re.MULTILINE)}
+    logs = "\n".join(path.read_text() for path in sorted((args.workspace / "runs").glob("*.log")))
+    walls = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) wall ([\d.]+) s$", logs, re.MULTILINE)}
     data, critic = metrics("critic_data"), metrics("critic")
     reverse_kl, rft = metrics("critic_distill"), metrics("critic_rft")
     decisions = {

@@ -243,8 +243,10 @@ def readme_headline() -> str:
                          "improves" if code["decisions"][name]["improves_held_out_pass_at_1"] else "within noise"])
     critic_path = ROOT / "experiments/critic/results_run2.json"
     if critic_path.exists():
-        critic = _json("experiments/critic/results_run2.json")["critic"]
-        rows.append([f"[in-context critic](experiments/critic/README.md) (AUC {critic['val_auc']:.2f}): reward, "
+        run2 = _json("experiments/critic/results_run2.json")
+        critic = run2["critic"]
+        rows.append([f"[in-context critic](experiments/critic/README.md) on keyword_map ({critic['step']:.0f} steps, "
+                     f"{run2['critic']['wall_seconds'] / 60:.0f} min; AUC {critic['val_auc']:.2f}): reward, "
                      f"{critic['q_samples_per_prompt']:.0f} samples per held-out prompt, plain vs Q-weighted",
                      _fmt(critic["plain_sampling_reward"]), _fmt(critic["q_weighted_reward"]),
                      f"{critic['q_minus_plain']:+.3f} [{critic['q_minus_plain_low']:+.3f}, "

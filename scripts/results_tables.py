@@ -433,7 +433,34 @@ def critic_run2() -> str:
             f"`{r['commit'][:7]}`.\n")
 
 
+def critic_code_run() -> str:
+    """The critic's first run on code tasks (experiments/critic/results_code.json)."""
+    path = ROOT / "experiments/critic/results_code.json"
+    if not path.exists():
+        return "Not run yet.\n"
+    r = _json("experiments/critic/results_code.json")
+    data, critic = r["critic_data"], r["critic"]
+    rows = [
+        ["held-out AUC of P(all tests pass) at a program's last token (95% CI over prompts)",
+         f"{critic['val_auc']:.3f} [{critic['val_auc_low']:.3f}, {critic['val_auc_high']:.3f}]",
+         f"untrained {critic['val_auc_before']:.3f}"],
+        ["calibration: ECE / Brier", f"{critic['val_ece']:.3f} / {critic['val_brier']:.3f}", ""],
+        [f"best-of-{critic['candidates_per_prompt']:.0f}, code reward of the pick (critic / random / oracle)",
+         f"{critic['best_of_n_reward']:.3f} / {critic['random_of_n_reward']:.3f} / {critic['oracle_reward']:.3f}",
+         f"{critic['selection_prompts']:.0f} held-out prompts"],
+    ]
+    return (_table(["measure", "value", "note"], rows)
+            + f"\nData: {data['trajectories']} programs ({data['train_prompts']} train + {data['val_prompts']} held-out "
+            f"tasks x 8, up to 160 tokens), all tests passed {data['train_success_rate']:.3f} train / "
+            f"{data['val_success_rate']:.3f} held-out, mean reward {data['train_mean_reward']:.2f} / "
+            f"{data['val_mean_reward']:.2f}, {data['val_mixed_prompts']} of {data['val_prompts']} held-out tasks with "
+            f"mixed outcomes. Wall time: critic_data {data['wall_seconds'] / 60:.0f} min on {data['workers']} Ray "
+            f"workers, critic {critic['wall_seconds'] / 60:.0f} min ({critic['step']:.0f} steps, 2 threads); at "
+            f"`{r['commit'][:7]}`.\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "critic-code-run": critic_code_run,
     "critic-run2": critic_run2,
     "critic-first-run": critic_first_run,
     "bench-sandbox": bench_sandbox,

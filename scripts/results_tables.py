@@ -362,14 +362,26 @@ def bench_sandbox() -> str:
             f"{data['goal_programs_per_s']} programs/s; load average {load}.\n")
 
 
+def _with_interval(metrics: dict, key: str) -> str:
+    """`value [low, high]` of a metric and its `_low` / `_high` bootstrap interval."""
+    return f"{metrics[key]:.3f} [{metrics[key + '_low']:.3f}, {metrics[key + '_high']:.3f}]"
+
+
+def _critic_data_summary(data: dict) -> str:
+    """The critic_data line shared by the critic runs' tables (episodes source)."""
+    return (f"Data: {data['trajectories']} sampled answers ({data['train_prompts']} train + {data['val_prompts']} "
+            f"held-out prompts x 8), success rate {data['train_success_rate']:.3f} train / "
+            f"{data['val_success_rate']:.3f} held-out, {data['val_mixed_prompts']} of {data['val_prompts']} held-out "
+            "prompts with mixed outcomes")
+
+
 def critic_first_run() -> str:
     """The in-context critic on SmolLM2-135M (experiments/critic/results.json)."""
     r = _json("experiments/critic/results.json")
     data, critic = r["critic_data"], r["critic"]
     rows = [
         ["held-out AUC of P(success), at an attempt's last token (95% bootstrap CI over prompts)",
-         f"{critic['val_auc']:.3f} [{critic['val_auc_low']:.3f}, {critic['val_auc_high']:.3f}]",
-         f"untrained {critic['val_auc_before']:.3f}; goal 0.7"],
+         _with_interval(critic, "val_auc"), f"untrained {critic['val_auc_before']:.3f}; goal 0.7"],
         ["held-out AUC at an attempt's first token", f"{critic['val_auc_first_token']:.3f}", ""],
         ["calibration: ECE / Brier", f"{critic['val_ece']:.3f} / {critic['val_brier']:.3f}", ""],
         [f"best-of-{critic['candidates_per_prompt']:.0f}, reward of the pick (critic / random / majority vote / oracle)",
@@ -377,10 +389,7 @@ def critic_first_run() -> str:
          f" / {critic['oracle_reward']:.3f}", f"{critic['selection_prompts']:.0f} held-out prompts"],
     ]
     return (_table(["measure", "value", "note"], rows)
-            + f"\nData: {data['trajectories']} sampled answers ({data['train_prompts']} train + {data['val_prompts']} "
-            f"held-out prompts x 8), success rate {data['train_success_rate']:.3f} train / {data['val_success_rate']:.3f} "
-            f"held-out, {data['val_mixed_prompts']} of {data['val_prompts']} held-out prompts with mixed outcomes. "
-            f"Wall time: critic_data {data['wall_seconds'] / 60:.1f} min, critic {critic['wall_seconds'] / 60:.1f} min "
+            + f"\n{_critic_data_summary(data)}. Wall time: critic_data {data['wall_seconds'] / 60:.1f} min, critic {critic['wall_seconds'] / 60:.1f} min "
             f"({critic['step']:.0f} steps), one torch thread, {r['machine_load']}; measured {r['measured']} at "
             f"`{r['commit'][:7]}`.\n")
 
@@ -402,7 +411,7 @@ def critic_run2() -> str:
     n = critic["q_samples_per_prompt"]
     rows = [
         ["1. held-out AUC of P(success) at an attempt's last token (95% CI over prompts); goal >= 0.7",
-         f"{critic['val_auc']:.3f} [{critic['val_auc_low']:.3f}, {critic['val_auc_high']:.3f}]",
+         _with_interval(critic, "val_auc"),
          f"met: {verdict(d['auc_goal_met'])}; established (CI above 0.7): {verdict(d['auc_goal_established'])}"],
         [f"2. reward of {n:.0f} samples per prompt: Q-weighted / plain from the reference / min-p only (control)",
          f"{critic['q_weighted_reward']:.3f} / {critic['plain_sampling_reward']:.3f} / "
@@ -425,10 +434,7 @@ def critic_run2() -> str:
              (("critic_data", "critic_data"), ("critic", "critic"), ("reverse-KL", "reverse_kl"), ("RFT", "rft"))
              if r[key].get("wall_seconds")]
     return (_table(["pre-registered measure (64 held-out prompts unless stated)", "value", "decision"], rows)
-            + f"\nData: {data['trajectories']} sampled answers ({data['train_prompts']} train + {data['val_prompts']} "
-            f"held-out prompts x 8), success rate {data['train_success_rate']:.3f} train / "
-            f"{data['val_success_rate']:.3f} held-out, {data['val_mixed_prompts']} of {data['val_prompts']} held-out "
-            f"prompts with mixed outcomes; {critic['val_trajectories']:.0f} evaluated attempts for the AUC. "
+            + f"\n{_critic_data_summary(data)}; {critic['val_trajectories']:.0f} evaluated attempts for the AUC. "
             f"Seed {r['seed']}, one torch thread each, {r['machine_load']}: {', '.join(walls)}; at "
             f"`{r['commit'][:7]}`.\n")
 
@@ -442,7 +448,7 @@ def critic_code_run() -> str:
     data, critic = r["critic_data"], r["critic"]
     rows = [
         ["held-out AUC of P(all tests pass) at a program's last token (95% CI over prompts)",
-         f"{critic['val_auc']:.3f} [{critic['val_auc_low']:.3f}, {critic['val_auc_high']:.3f}]",
+         _with_interval(critic, "val_auc"),
          f"untrained {critic['val_auc_before']:.3f}"],
         ["calibration: ECE / Brier", f"{critic['val_ece']:.3f} / {critic['val_brier']:.3f}", ""],
         [f"best-of-{critic['candidates_per_prompt']:.0f}, code reward of the pick (critic / random / oracle)",

@@ -501,8 +501,16 @@ class DPOConfig(OptimFields):
                                         "in-context RL streams the current policy rolls out (tasks from "
                                         "data.sources): every step it answered wrong gives (gold label, its "
                                         "answer) in that context.")] = False
+    mine_hindsight: Annotated[bool, Field(description="Also train on hindsight feedback couples of the streams "
+                                          "the current policy rolls out at each step (icrl_core/hindsight.py): "
+                                          "each stream renamed so that some attempts' feedback flips (two of its "
+                                          "task's labels swapped), and each later query whose right answer "
+                                          "flips with it gives a pair in the real and in the renamed context; "
+                                          "DPO on the constrained decision where the two labels part.")] = False
     stream: StreamConfig = Field(default_factory=lambda: StreamConfig(eval_groups=0),
-                                 description="The mined streams (eval_groups is not used).")
+                                 description="The mined streams (mine_streams, mine_hindsight); eval_groups: "
+                                 "validation groups whose hindsight couples are scored at each evaluation "
+                                 "(mine_hindsight).")
     mine_code: Annotated[bool, Field(description="Also mine pairs at each step from code tasks (code section, "
                                      "icrl_core/code_rl.py): `code.tasks_per_step` train-split tasks, "
                                      "`code.group_size` completions of each sampled from the current policy at "

@@ -18,7 +18,9 @@ from tasks.settings import PipelineConfig
 
 STAGE = "dpo"
 HEADLINE = ("val_preference_accuracy", "val_preference_accuracy_before", "val_margin", "val_accuracy_before",
-            "val_accuracy")  # val_accuracy: greedy pass@1 on held-out code tasks (dpo.mine_code)
+            "val_accuracy",  # val_accuracy: greedy pass@1 on held-out code tasks (dpo.mine_code)
+            "val_couple_accuracy", "val_couple_accuracy_before", "val_hindsight_accuracy",
+            "val_hindsight_accuracy_before")  # hindsight couples of validation streams (dpo.mine_hindsight)
 
 
 def start_adapter(config: PipelineConfig) -> Path | None:
@@ -45,7 +47,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         train = episode_pairs([r for r in rows if r.split == "train"])
         val = episode_pairs([r for r in rows if r.split == "val"])
     sources = None
-    if cfg.mine_streams:
+    if cfg.mine_streams or cfg.mine_hindsight:
         from icrl_core.dataset_build import resolve_sources
 
         sources = (resolve_sources(config.data, config.seed), config.data)

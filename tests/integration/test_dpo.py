@@ -69,3 +69,31 @@ def test_dpo_stage_trains_on_episode_and_mined_pairs(in_tmp):
     headline = json.loads((in_tmp / "metrics" / "dpo.json").read_text())
     assert set(headline) == {"val_preference_accuracy", "val_preference_accuracy_before", "val_margin"}
     assert metrics["step"] == 2 and "seconds" in metrics
+
+
+def test_dpo_on_hindsight_couples_starts_feedback_blind_and_resumes_exactly():
+    """dpo.mine_hindsight alone (no episode pairs) on keyword_map streams of the tiny model: every step's pairs are
+    hindsight pairs, the first loss is log 2 (policy = reference), the validation couples are scored before any
+    update as a feedback-blind policy scores them (half the pairs, no couple right), and a kill resumes to the
+    same weights. That the loss teaches reading the feedback: tests/unit/test_hindsight.py."""
+    from icrl_core.config import DataConfig, SyntheticSource
+    from icrl_core.dataset_build import resolve_sources
+
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)
+    sources = (resolve_sources(data, seed=0), data)
+    cfg = _cfg(episode_pairs=False, mine_hindsight=True, max_steps=6, eval_steps=6, save_steps=2, batch_size=4,
+               learning_rate=2e-2, beta=0.1, stream={"steps": 8, "group_size": 2, "groups": 2, "eval_groups": 2})
+    policy = _policy()
+    metrics, history = train_dpo(policy, [], [], cfg, seed=3, runtime=MemoryRuntime(), stream_sources=sources)
+    assert all(h["hindsight_pairs"] > 0 and h["pairs"] == h["hindsight_pairs"] for h in history)
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # -log sigmoid(0)
+    assert metrics["val_hindsight_accuracy_before"] == 0.5 and metrics["val_couple_accuracy_before"] == 0.0
+    assert metrics["val_hindsight_pairs"] > 0 and 0 <= metrics["val_stream_reward"] <= 1
+    weights = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+
+    saved: list = []
+    with pytest.raises(Killed):
+        train_dpo(_policy(), [], [], cfg, seed=3, runtime=MemoryRuntime(saved, kill_after=3), stream_sources=sources)
+    resumed = _policy()
+    train_dpo(resumed, [], [], cfg, seed=3, runtime=MemoryRuntime(saved), stream_sources=sources)
+    assert all(torch.equal(weights[k], v) for k, v in resumed.trainable_state_dict().items())

@@ -301,7 +301,8 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
     metrics = dict(result.last)
     if result.evals and "val_preference_accuracy" in result.evals[0]:  # the starting weights' (step 0)
         metrics["val_preference_accuracy_before"] = result.evals[0]["val_preference_accuracy"]
-    for key in ("val_hindsight_accuracy", "val_couple_accuracy"):  # hindsight couples before and after
+    for key in ("val_hindsight_accuracy", "val_couple_accuracy", "val_stream_reward",
+                "val_switch_after_wrong"):  # hindsight couples and validation streams before any update
         if result.evals and key in result.evals[0]:
             metrics[f"{key}_before"] = result.evals[0][key]
     if result.evals and "val_accuracy" in result.evals[0]:  # code tasks: greedy pass@1 before and after

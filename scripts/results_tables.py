@@ -310,10 +310,13 @@ def stream_rl_gate() -> str:
     for name, s in sorted(results["settings"].items()):
         v = s["validation_training_tasks"]
         label = f"{s['iterations']} iterations" + (" after setting 2's 40" if name == "3" else "")
+        label += ", DPO on hindsight couples" if "val_couple_accuracy" in v else ""
+        stream = (f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
+                  f" -> {v['val_switch_after_wrong'][1]:.2f}")
+        if "val_couple_accuracy" in v:  # 0 for a feedback-blind policy
+            stream += f"; couples both right {v['val_couple_accuracy'][0]:.2f} -> {v['val_couple_accuracy'][1]:.2f}"
         rows.append([f"setting {name} ({label})", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
-                     _signed(s["gate1_gap"]), "passed" if s["gate1_passed"] else "failed",
-                     f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
-                     f" -> {v['val_switch_after_wrong'][1]:.2f}"])
+                     _signed(s["gate1_gap"]), "passed" if s["gate1_passed"] else "failed", stream])
     return (_table([f"p(`{boot['target']}`) on {boot['task']}", "no context", "1 attempt marked wrong",
                     "1 marked right", "4 marked wrong", "4 marked right", "right - wrong (n=1)",
                     f"gate 1 (>= {results['gate1_margin']})", "validation streams of the training tasks: reward"],

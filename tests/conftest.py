@@ -19,6 +19,14 @@ os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / "prefect-test-home"))
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # a fresh clone has no .icrl/
 
 TASKS_DIR = Path(os.environ.get("ICRL_TEST_TASKS_DIR", ROOT.parent / "shared" / "data" / "icrl-tasks"))
+LAST_MODULES = ("test_vllm_backend.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The vllm module runs last: its engine lives in this process and leaves vLLM's settings behind after it is
+    closed (environment variables such as LD_PRELOAD, which later subprocesses would inherit; the global random
+    seed; about 1.2 GB of memory not returned), so no other test runs after it. Otherwise the order is pytest's."""
+    items.sort(key=lambda item: item.path.name in LAST_MODULES)  # a stable sort
 
 
 @pytest.fixture(scope="session")

@@ -271,6 +271,7 @@ class VllmEngine:
 
     def _generate(self, requests: list[NodeRequest]) -> tuple[list[np.ndarray], list[int]]:
         """Run node requests as one vLLM batch: (per request, the targets' log-probs; tokens computed)."""
+        import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -281,12 +282,16 @@ class VllmEngine:
         computed = [0] * len(requests)
         if not parts:
             return [np.zeros(0) for _ in requests], computed
-        # temperature 0: the one generated token is not used; the returned log-probs are the raw ones anyway
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(requests[i].prompt)) for i, _ in parts],
-            [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(chunk),
-                            detokenize=False) for _, chunk in parts],
-            lora_request=[self._lora_request(requests[i].adapter) for i, _ in parts], use_tqdm=False)
+        # temperature 0: the one generated token is not used; the returned log-probs are the raw ones anyway.
+        # force_eager: the model runs eagerly anyway (enforce_eager); the one function vLLM still compiles with
+        # inductor here counts each log-prob's rank (which this engine does not read), a C++ build of 15-20 s on
+        # the first call on a machine; eagerly it gives the same integers (docs/INFERENCE.md, start-up).
+        with torch.compiler.set_stance("force_eager"):
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(requests[i].prompt)) for i, _ in parts],
+                [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(chunk),
+                                detokenize=False) for _, chunk in parts],
+                lora_request=[self._lora_request(requests[i].adapter) for i, _ in parts], use_tqdm=False)
         for (i, chunk), output in zip(parts, outputs):
             logprobs = output.outputs[0].logprobs[0]
             values[i].extend(logprobs[t].logprob for t in chunk)

@@ -4,7 +4,8 @@ tests/integration/test_vllm_backend.py (with the vllm extra)."""
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import sys
 
 import pytest
 import torch
@@ -38,9 +39,11 @@ def test_a_project_lora_adapter_converts_to_the_same_peft_adapter(tmp_path):
     assert not torch.allclose(plain, trained, atol=1e-3)
 
 
-def test_vllm_chosen_but_not_installed_is_one_clear_error():
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here (tests/integration/test_vllm_backend.py runs it)")
+def test_vllm_chosen_but_not_installed_is_one_clear_error(monkeypatch):
+    """Runs with and without the extra: a None entry in sys.modules makes `import vllm` fail as if it were not
+    installed (the engine's environment defaults go into a copy of os.environ)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     from icrl_core.inference.vllm_backend import VllmEngine
 
     with pytest.raises(UserError, match="make setup-vllm"):

@@ -507,6 +507,10 @@ class DPOConfig(OptimFields):
                                           "task's labels swapped), and each later query whose right answer "
                                           "flips with it gives a pair in the real and in the renamed context; "
                                           "DPO on the constrained decision where the two labels part.")] = False
+    hindsight_loss: Annotated[Literal["dpo", "contrast"], Field(description="Loss of the hindsight couples: dpo "
+                              "(each pair against the reference, the adapters disabled) or contrast "
+                              "(reference-free, per couple: -log sigmoid(beta (margin in the real world + margin "
+                              "in the renamed world)); zero gradient on the preference both worlds share).")] = "dpo"
     stream: StreamConfig = Field(default_factory=lambda: StreamConfig(eval_groups=0),
                                  description="The mined streams (mine_streams, mine_hindsight); eval_groups: "
                                  "validation groups whose hindsight couples are scored at each evaluation "

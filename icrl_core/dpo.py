@@ -157,7 +157,7 @@ def couple_micro_steps(policy, couples, cfg, n_pairs: int, scale: float, backwar
     out = {"loss": 0.0, "margin": 0.0, "accuracy": 0.0, "hindsight_pairs": 0.0, "hindsight_policy_accuracy": 0.0,
            "hindsight_couple_accuracy": 0.0}
     for part in chunks(couples.worlds, 2 * cfg.batch_size):
-        loss, sums = couple_loss(policy, part, cfg.beta)
+        loss, sums = couple_loss(policy, part, cfg.beta, cfg.hindsight_loss)
         weight = sums["pairs"] / max(n_pairs, 1) * scale
         if backward:
             (loss * weight).backward()

@@ -30,7 +30,11 @@ the LM-head logits of the children of that label-trie node after the context and
     h = (log pi(c_w) - log pi_ref(c_w)) - (log pi(c_l) - log pi_ref(c_l))       (the node's normalizer cancels)
     L = -log sigmoid(beta h)                                                      (`objectives.dpo_loss`)
 
-with pi_ref the policy with its adapters disabled. The node's input is in the stream's token sequence only when
+with pi_ref the policy with its adapters disabled. Or (`dpo.hindsight_loss: contrast`) reference-free, per
+couple, `objectives.couple_contrast_loss`: m = margin(real) + margin(renamed), L = -log sigmoid(beta m). With
+a reference other than the start policy the DPO pairs of a couple are not symmetric (h starts away from 0 where
+the start policy's preference differs from the reference's), so the DPO gradient also moves the preference both
+worlds share; the contrast moves only the feedback's effect. The node's input is in the stream's token sequence only when
 the stream's own answer at t passes through it (always for labels that part at their first token; opaque names
 such as 'L12' / 'L47' share ' L'); other couples are skipped and counted.
 
@@ -52,7 +56,7 @@ import torch
 from icrl_core.chat import Tokens
 from icrl_core.icrl_eval import EpisodeRecord, candidate_sequences, render_context, render_query
 from icrl_core.kernels import ROOT, LabelTrie
-from icrl_core.objectives import dpo_loss
+from icrl_core.objectives import couple_contrast_loss, dpo_loss
 from icrl_core.streams import STREAM_VIEW, Stream, restricted_logits
 
 
@@ -207,20 +211,37 @@ def decision_logps(policy, worlds: Sequence[World]) -> tuple[torch.Tensor, torch
     return log_probs[index, chosen], log_probs[index, rejected]
 
 
-def couple_loss(policy, worlds: Sequence[World], beta: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean DPO loss over the worlds' pairs (module docstring), and sums over them: `pairs`, `margin` (beta h),
-    `accuracy` (h > 0), `policy_accuracy` (pi(chosen) > pi(rejected)) and `couple_accuracy` (both pairs of a couple
-    with pi(chosen) > pi(rejected); counted per couple)."""
+def couple_loss(policy, worlds: Sequence[World], beta: float, kind: str = "dpo"
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss over the worlds' couples, and sums over their pairs: `pairs`, `margin`, `accuracy`,
+    `policy_accuracy` (pi(chosen) > pi(rejected)) and `couple_accuracy` (both pairs of a couple so; counted per
+    couple).
+
+    kind "dpo": mean DPO loss over the pairs against the reference (module docstring); margin = beta h, accuracy =
+    pairs with h > 0. kind "contrast": `objectives.couple_contrast_loss`, no reference pass; margin = beta m per
+    couple (counted for both its pairs), accuracy = pairs of couples with m > 0."""
     logp_w, logp_l = decision_logps(policy, worlds)
-    with torch.no_grad(), policy.reference():
-        ref_w, ref_l = decision_logps(policy, worlds)
-    loss = dpo_loss(logp_w, logp_l, ref_w, ref_l, beta)
-    h = ((logp_w - ref_w) - (logp_l - ref_l)).detach()
-    right = (logp_w > logp_l).detach()
-    both, start = 0, 0
+    real_index, renamed_index, start = [], [], 0
     for real in worlds[0::2]:  # worlds come as (real, renamed) pairs whose decisions are aligned
         n = len(real.decisions)
-        both += int((right[start:start + n] & right[start + n:start + 2 * n]).sum())
+        real_index += range(start, start + n)
+        renamed_index += range(start + n, start + 2 * n)
         start += 2 * n
-    return loss, {"pairs": float(len(h)), "margin": float(beta * h.sum()), "accuracy": float((h > 0).sum()),
-                  "policy_accuracy": float(right.sum()), "couple_accuracy": float(both)}
+    real_index, renamed_index = torch.tensor(real_index), torch.tensor(renamed_index)
+    if kind == "dpo":
+        with torch.no_grad(), policy.reference():
+            ref_w, ref_l = decision_logps(policy, worlds)
+        loss = dpo_loss(logp_w, logp_l, ref_w, ref_l, beta)
+        h = ((logp_w - ref_w) - (logp_l - ref_l)).detach()
+        margin, accuracy = float(beta * h.sum()), float((h > 0).sum())
+    elif kind == "contrast":
+        margins = logp_w - logp_l
+        loss = couple_contrast_loss(margins[real_index], margins[renamed_index], beta)
+        m = (margins[real_index] + margins[renamed_index]).detach()
+        margin, accuracy = float(2 * beta * m.sum()), float(2 * (m > 0).sum())
+    else:
+        raise ValueError(f"unknown hindsight loss {kind!r}")
+    right = (logp_w > logp_l).detach()
+    both = float((right[real_index] & right[renamed_index]).sum())
+    return loss, {"pairs": float(len(right)), "margin": margin, "accuracy": accuracy,
+                  "policy_accuracy": float(right.sum()), "couple_accuracy": both}

@@ -364,3 +364,16 @@ def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     margin is regressed to a fixed target instead of pushed to infinity. Arguments (P,)."""
     h = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
     return ((h - 1.0 / (2.0 * beta)) ** 2).mean()
+
+
+def couple_contrast_loss(real_margin: torch.Tensor, renamed_margin: torch.Tensor, beta: float) -> torch.Tensor:
+    """The feedback contrast of hindsight couples (icrl_core/hindsight.py), mean over couples, reference-free:
+
+        margin = log pi(y_w | context) - log pi(y_l | context)         in each world, its own chosen y_w
+        m      = margin(real context) + margin(renamed context)
+        L      = -log sigmoid(beta * m)
+
+    The two worlds' chosen and rejected labels are swapped, so a policy blind to the feedback has m = 0 whatever
+    it prefers, and the gradient moves only the difference between the two contexts (the feedback's effect),
+    never the preference shared by both. Arguments (C,): each couple's margin in the real and renamed world."""
+    return -F.logsigmoid(beta * (real_margin + renamed_margin)).mean()

@@ -144,3 +144,26 @@ def test_context_rendering_is_the_harness_view(policy, streams):
         context, user_open = render_context(policy.tokens, stream.task.template, renamed[:t], STREAM_VIEW)
         prompt = context + render_query(policy.tokens, stream.task.template, stream.steps[t].record.query, user_open)
         assert ids[:starts[t]] == prompt
+
+
+def test_the_contrast_loss_is_blind_to_the_shared_preference_and_teaches_the_contrast(policy, streams):
+    """hindsight_loss contrast (no reference pass): it counts both pairs of each couple, and AdamW steps on it
+    lower it and raise the couples with both pairs right (that it has no gradient on the preference the two
+    worlds share: tests/unit/test_objectives.py)."""
+    import copy
+
+    trained = copy.deepcopy(policy)
+    couples = hindsight_couples(streams, trained.tokens, [random.Random(i) for i in range(len(streams))])
+    optimizer = torch.optim.AdamW(trained.trainable_parameters(), lr=2e-2)
+    first, before = couple_loss(trained, couples.worlds, beta=0.1, kind="contrast")
+    assert before["pairs"] == 2 * couples.couples
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss, _ = couple_loss(trained, couples.worlds, beta=0.1, kind="contrast")
+        loss.backward()
+        optimizer.step()
+    last, after = couple_loss(trained, couples.worlds, beta=0.1, kind="contrast")
+    assert float(last) < float(first)
+    assert after["couple_accuracy"] > before["couple_accuracy"]
+    with pytest.raises(ValueError):
+        couple_loss(trained, couples.worlds, beta=0.1, kind="other")

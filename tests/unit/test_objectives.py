@@ -176,6 +176,20 @@ def test_dpo_and_ipo_by_hand():
     assert ipo_loss(pc, pr, rc, rr, beta).item() == pytest.approx(24.125, abs=1e-5)
 
 
+def test_couple_contrast_by_hand():
+    from icrl_core.objectives import couple_contrast_loss
+
+    # couple 0: margins 2.0 (real) and -2.0 (renamed): a feedback-blind preference, m = 0 -> log 2
+    # couple 1: margins 1.0 and 3.0 -> m = 4, beta 0.5 -> log(1 + e^-2)
+    real, renamed = T([2.0, 1.0]), T([-2.0, 3.0])
+    expected = (math.log(2.0) + math.log1p(math.exp(-2.0))) / 2
+    assert couple_contrast_loss(real, renamed, 0.5).item() == pytest.approx(expected, abs=1e-6)
+    # a shared shift of the preference (both margins' labels swapped: +c in one world is -c in the other)
+    shift = torch.zeros(2, requires_grad=True)
+    couple_contrast_loss(real + shift, renamed - shift, 0.5).backward()
+    assert torch.equal(shift.grad, torch.zeros(2))
+
+
 def test_distillation_rewards_by_hand():
     from icrl_core.objectives import distillation_rewards
 

@@ -61,9 +61,13 @@ demo: setup
 	$(ICRL) demo
 
 # The whole suite with the vllm backend's tests (tests/integration/test_vllm_backend.py): ICRL_REQUIRE_VLLM=1 turns
-# its skip-when-vllm-is-missing into a failure, so CI never skips it.
+# its skip-when-vllm-is-missing into a failure, so CI never skips it. They run in a pytest process of their own:
+# after ~490 other tests in one process, a thread's OpenMP thread count no longer matched the one vLLM's CPU
+# attention had planned a step for ("Check failed: thread_num == thread_num (2 vs. 1)") and the engine never
+# finished that step; in a fresh process they pass.
 test: setup-vllm
-	ICRL_REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/integration/test_vllm_backend.py
+	ICRL_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/integration/test_vllm_backend.py
 
 # The fast tier: tests/unit (pure code and the tiny model; no servers, Ray, console scripts, real model or sandbox).
 test-fast: setup

@@ -228,6 +228,7 @@ class VllmEngine:
             torch.set_num_threads(threads)
         self._lora_ids: dict[str, int] = {}
         self._local = threading.local()
+        self._threads = threads
         self._combine = _Combiner(self._generate)
 
     @classmethod
@@ -286,6 +287,12 @@ class VllmEngine:
         # force_eager: the model runs eagerly anyway (enforce_eager); the one function vLLM still compiles with
         # inductor here counts each log-prob's rank (which this engine does not read), a C++ build of 15-20 s on
         # the first call on a machine; eagerly it gives the same integers (docs/INFERENCE.md, start-up).
+        # The CPU attention kernel checks that the thread running a step has as many OpenMP threads as the step was
+        # planned for; a caller's thread (evaluation streams) may start with another count. Seen once, after ~490
+        # other tests in one process: "Check failed: thread_num == thread_num (2 vs. 1)", then no step finished.
+        # Giving the calling thread the engine's count is a guard, not a proven cure (the Makefile runs the vllm
+        # tests in a process of their own).
+        torch.set_num_threads(self._threads)
         with torch.compiler.set_stance("force_eager"):
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(requests[i].prompt)) for i, _ in parts],

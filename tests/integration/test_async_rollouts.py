@@ -206,7 +206,13 @@ def test_the_lag_bound_holds_and_level_0_is_the_synchronous_run(pool, policy):
             assert 0 <= row["async_lag"] == step - 1 - row["async_version"] == min(step - 1, level) <= level
             assert math.isfinite(row["is_ratio_mean"]) and row["is_ratio_min"] <= row["is_ratio_max"]
         if level == 0:
-            assert timeless(history, ASYNC_KEYS) == timeless(sync)
+            # the same streams and metrics; the KL terms to 1e-7: the behaviour log-probs come from the actor's
+            # process, whose kernels may round the last bit differently from the trainer's (seen on AVX512 CPUs:
+            # kl 1.5e-8 vs 3.0e-8, approx_kl 0.0148047876 vs 0.0148047926)
+            for row, sync_row in zip(timeless(history, ASYNC_KEYS), timeless(sync), strict=True):
+                assert row.keys() == sync_row.keys()
+                assert all(math.isclose(v, sync_row[k], rel_tol=1e-5, abs_tol=1e-7) if isinstance(v, float)
+                           else v == sync_row[k] for k, v in row.items()), (row, sync_row)
             diffs = {k: float((sync_weights[k] - v).abs().max()) for k, v in trainable_tensors(policy).items()}
             assert max(diffs.values()) < 1e-5, diffs
     assert [row["async_lag"] for row in runs[2]] == [0, 1, 2]

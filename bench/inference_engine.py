@@ -7,7 +7,9 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
      every prompt computed from scratch, every query on its own), same seed/cap/steps;
    * naive: the port, the engine on the paper's sliding window (exact), and the engine on the block-eviction
      variant (`icrl_eval.evict_episodes`, a different protocol), whose per-step prediction agreement and
-     test-accuracy curve vs the exact protocol are reported. Steps are split into the growing phase (context
+     test-accuracy curve vs the exact protocol are reported.
+   * the faster modes that change numerics, beside them in the same run: the engine in bfloat16 (explorative;
+     naive with block eviction), with their per-step prediction agreement with the exact fp32 run. Steps are split into the growing phase (context
      not yet full) and the full phase, whose rate is stationary: the 1000-step rate is projected from it.
 2. aggregate (all cores): the same evaluation runs (explorative, several seeds) through the evaluate stage's code
    (`tasks.evaluate.run_evaluations`): today's pool (one single-threaded process per core) vs one engine serving
@@ -60,7 +62,7 @@ def one_run(spec: dict) -> dict:
     from icrl_core.task_data import load_task
 
     torch.set_num_threads(1)
-    policy = load_policy("smollm2-135m", dtype="float32")
+    policy = load_policy("smollm2-135m", dtype=spec.get("dtype", "float32"))
     task = load_task(spec["task"], TASKS_DIR)
     cfg = EvalConfig(task=spec["task"], strategy=spec["strategy"], train_k=spec["steps"],
                      test_every=spec["test_every"], test_k=spec["test_k"], seed=100, training_seed=100,
@@ -148,14 +150,19 @@ def single_stream(args) -> dict:
     print(f"explorative: engine vs port, {args.explorative_steps} steps ...", flush=True)
     common = {"task": args.task, "strategy": "explorative", "steps": args.explorative_steps, "evict": 1}
     runs, load = side_by_side([{**common, "mode": "engine", "test_every": 10**9, "test_k": args.test_k},
-                               {**common, "mode": "recompute", "test_every": 10**9, "test_k": args.test_k}])
-    engine, port = runs
+                               {**common, "mode": "recompute", "test_every": 10**9, "test_k": args.test_k},
+                               {**common, "mode": "engine", "dtype": "bfloat16", "test_every": 10**9,
+                                "test_k": args.test_k}])
+    engine, port, bf16 = runs
     out["explorative"] = {
         "engine": "torch", "mode": "exact", "load_avg": load,
         "engine_steps_per_s": rate(engine), "port_steps_per_s": rate(port),
         "speedup": round(rate(engine) / rate(port), 2),
         "identical_predictions": engine["predictions"] == port["predictions"],
         "tokens_per_step": {"engine": engine["tokens_computed_per_step"], "port": port["tokens_computed_per_step"]},
+        "bf16": {"engine": "torch", "mode": "bfloat16 weights and activations (changes numerics)",
+                 "steps_per_s": rate(bf16), "speedup": round(rate(bf16) / rate(port), 2),
+                 "step_prediction_agreement_with_exact": agreement(bf16["predictions"], engine["predictions"])},
         "runs": [_strip(r) for r in runs]}
     print(json.dumps({k: v for k, v in out["explorative"].items() if k != "runs"}), flush=True)
 
@@ -163,8 +170,10 @@ def single_stream(args) -> dict:
     common = {"task": args.task, "strategy": "naive", "steps": args.naive_steps, "test_every": args.test_every}
     runs, load = side_by_side([{**common, "mode": "recompute", "evict": 1, "test_k": args.port_test_k},
                                {**common, "mode": "engine", "evict": 1, "test_k": args.test_k},
-                               {**common, "mode": "engine", "evict": args.evict, "test_k": args.test_k}])
-    port, exact, block = runs
+                               {**common, "mode": "engine", "evict": args.evict, "test_k": args.test_k},
+                               {**common, "mode": "engine", "evict": args.evict, "test_k": args.test_k,
+                                "dtype": "bfloat16"}])
+    port, exact, block, block_bf16 = runs
     naive = {"load_avg": load, "max_examples": exact["max_examples"], "port": _rates(port, args),
              "exact": {"engine": "torch", "mode": "exact (sliding window, the paper's protocol)", **_rates(exact, args),
                        "identical_predictions_to_port": exact["predictions"] == port["predictions"]},
@@ -176,8 +185,16 @@ def single_stream(args) -> dict:
                                 "exact_test_accuracy_curve": exact["test_curve"],
                                 "test_prediction_agreement_with_exact": test_agreement(block["test_predictions"],
                                                                                        exact["test_predictions"])},
+             "block_eviction_bf16": {"engine": "torch",
+                                     "mode": f"protocol variant evict_episodes={args.evict}, bfloat16 (changes numerics)",
+                                     **_rates(block_bf16, args),
+                                     "step_prediction_agreement_with_exact": agreement(block_bf16["predictions"],
+                                                                                       exact["predictions"]),
+                                     "test_accuracy_curve": block_bf16["test_curve"],
+                                     "test_prediction_agreement_with_exact": test_agreement(
+                                         block_bf16["test_predictions"], exact["test_predictions"])},
              "runs": [_strip(r) for r in runs]}
-    for name in ("exact", "block_eviction"):
+    for name in ("exact", "block_eviction", "block_eviction_bf16"):
         entry = naive[name]
         entry["speedup"] = round(entry["steps_per_s"] / naive["port"]["steps_per_s"], 2)
         entry["full_phase_speedup"] = round(entry["full_phase_steps_per_s"] / naive["port"]["full_phase_steps_per_s"], 2)
@@ -331,7 +348,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short runs (development)")
     parser.add_argument("--task", default="trec_coarse")
     parser.add_argument("--explorative-steps", type=int, default=200)
-    parser.add_argument("--naive-steps", type=int, default=150,
+    parser.add_argument("--naive-steps", type=int, default=80,
                         help="naive steps (the port's full-phase steps cost ~10 s each on a busy core)")
     parser.add_argument("--evict", type=int, default=14, help="evict_episodes of the block-eviction variant")
     parser.add_argument("--test-every", type=int, default=25)

@@ -174,6 +174,52 @@ def bench_async_rollouts() -> str:
             f"{settings['level']}, {settings['actors']} actor; measured {data['environment']['timestamp'][:10]}.\n")
 
 
+def bench_inference_engine() -> str:
+    """The harness on the inference engine vs a recompute-every-step port of the paper's protocol, the faster modes
+    that change numerics, and aggregate throughput (bench/inference_engine.py; issue 30's acceptance)."""
+    if not (ROOT / "bench/results/inference_engine.json").exists():
+        return ("Not measured yet: run `.venv/bin/python bench/inference_engine.py` (writes "
+                "`bench/results/inference_engine.json`, then `python scripts/results_tables.py` fills this table).\n")
+    data = _json("bench/results/inference_engine.json")
+    rows = []
+    single = data.get("single_stream")
+    if single:
+        e = single["explorative"]
+        rows.append(["explorative", "torch", "exact (fp32)", _fmt(e["engine_steps_per_s"], 3),
+                     f"{e['speedup']:.2f}x", "identical" if e["identical_predictions"] else "differ", ">= 3x"])
+        if "bf16" in e:
+            b = e["bf16"]
+            rows.append(["explorative", "torch", b["mode"], _fmt(b["steps_per_s"], 3), f"{b['speedup']:.2f}x",
+                         f"{b['step_prediction_agreement_with_exact']:.3f}", ">= 3x"])
+        n = single["naive"]
+        for name in ("exact", "block_eviction", "block_eviction_bf16"):
+            if name not in n:
+                continue
+            r = n[name]
+            agree = ("identical" if r.get("identical_predictions_to_port") else "differ") if name == "exact" else \
+                f"{r['step_prediction_agreement_with_exact']:.3f}"
+            rows.append(["naive (projected to 1000 steps)", r["engine"], r["mode"],
+                         _fmt(r["projected_1000_steps_per_s"], 3), f"{r['projected_1000_step_speedup']:.2f}x", agree,
+                         ">= 3x"])
+    agg = data.get("aggregate")
+    if agg:
+        for name in ("streams", "fused"):
+            r = agg[name]
+            rows.append([f"aggregate, {agg['runs']} explorative runs", "torch", r["mode"],
+                         _fmt(r["aggregate_steps_per_s"], 3), f"{r['speedup_vs_pool']:.2f}x (vs the pool)",
+                         f"{r['step_prediction_agreement_with_pool']:.3f} (with the pool)", ">= 3x"])
+    vllm_file = ROOT / "bench/results/inference_engine_vllm.json"
+    note = ""
+    if vllm_file.exists():
+        v = json.loads(vllm_file.read_text(encoding="utf-8"))["vllm"]
+        note = (f" vLLM vs the torch engine (`--parts vllm`, {v['strategy']}, {v['steps']} steps, one after the other, "
+                f"not side by side): {v['speedup_vllm_vs_torch']:.2f}x, per-step prediction agreement "
+                f"{v['step_prediction_agreement']:.3f}.")
+    return (_table(["measure", "engine", "mode", "steps/s", "vs the port", "prediction agreement", "target"], rows)
+            + f"\n{data['task']}, {data['context_window']}-token window, one torch thread per run, the runs of a "
+            f"part side by side; {'quick runs, ' if data['quick'] else ''}measured {data['finished'][:10]}.{note}\n")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The demo (docs/results/demo.json: what `icrl demo` wrote to metrics/demo.json on a measured run)
 
@@ -310,7 +356,8 @@ def stream_rl_gate() -> str:
     for name, s in sorted(results["settings"].items()):
         v = s["validation_training_tasks"]
         label = f"{s['iterations']} iterations" + (" after setting 2's 40" if name == "3" else "")
-        label += ", DPO on hindsight couples" if "val_couple_accuracy" in v else ""
+        if "val_couple_accuracy" in v:  # settings 4 and 5 (PREREGISTERED.md addenda 4-5)
+            label += ", contrast loss on hindsight couples" if name == "5" else ", DPO on hindsight couples"
         stream = (f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
                   f" -> {v['val_switch_after_wrong'][1]:.2f}")
         if "val_couple_accuracy" in v:  # 0 for a feedback-blind policy
@@ -484,6 +531,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "skill-forgetting": skill_forgetting,
     "skill-feedback-probe": skill_feedback_probe,
     "bench-eval-speed": bench_eval_speed,
+    "bench-inference-engine": bench_inference_engine,
     "bench-ppo-vs-trl": bench_ppo_vs_trl,
     "bench-async-rollouts": bench_async_rollouts,
 }

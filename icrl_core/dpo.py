@@ -175,7 +175,8 @@ def evaluate_couples(policy, sources, data, cfg, seed: int, max_tokens: int) -> 
     """Hindsight couples of `cfg.stream.eval_groups` validation groups (the same tasks and draws at every
     evaluation, rolled out by the current policy; every rank computes all of them): the share of pairs where the
     policy prefers the chosen label (0.5 for a policy that ignores the feedback) and of couples with both pairs
-    so (0 for it), and the validation streams' reward and switch rate after a wrong answer."""
+    so (0 for it), their mean margin per pair (beta h, or beta m for the contrast loss), and the validation
+    streams' reward and switch rate after a wrong answer."""
     from icrl_core.stream_rl import stream_statistics
 
     streams = rolled_streams(policy, sources, data, cfg, seed, 0, range(cfg.stream.eval_groups), "val", max_tokens)
@@ -187,7 +188,9 @@ def evaluate_couples(policy, sources, data, cfg, seed: int, max_tokens: int) -> 
                "val_hindsight_pairs": pairs}
     if pairs:
         metrics.update({"val_hindsight_accuracy": out["hindsight_policy_accuracy"] / pairs,
-                        "val_couple_accuracy": 2 * out["hindsight_couple_accuracy"] / pairs})
+                        "val_couple_accuracy": 2 * out["hindsight_couple_accuracy"] / pairs,
+                        # per pair: beta h (dpo; 0 while policy = reference) or beta m (contrast; 0 if blind)
+                        "val_hindsight_margin": out["margin"] / pairs})
     return metrics
 
 
@@ -301,7 +304,7 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
     metrics = dict(result.last)
     if result.evals and "val_preference_accuracy" in result.evals[0]:  # the starting weights' (step 0)
         metrics["val_preference_accuracy_before"] = result.evals[0]["val_preference_accuracy"]
-    for key in ("val_hindsight_accuracy", "val_couple_accuracy", "val_stream_reward",
+    for key in ("val_hindsight_accuracy", "val_couple_accuracy", "val_hindsight_margin", "val_stream_reward",
                 "val_switch_after_wrong"):  # hindsight couples and validation streams before any update
         if result.evals and key in result.evals[0]:
             metrics[f"{key}_before"] = result.evals[0][key]

@@ -64,6 +64,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         if cfg.mine_hindsight:  # 0.5 / 0 for a feedback-blind policy (icrl_core/hindsight.py)
             panels["hindsight couples"] = ["hindsight_accuracy", "couple_accuracy", "val_hindsight_accuracy",
                                            "val_couple_accuracy"]
+            panels["implicit reward margin (beta h)"].append("val_hindsight_margin")
         if cfg.mine_code:
             panels["code tasks (sampled; val: greedy, held out)"] = ["task_accuracy", "reward/pass_fraction",
                                                                      "mean_reward", "val_accuracy"]

@@ -88,6 +88,7 @@ def test_dpo_on_hindsight_couples_starts_feedback_blind_and_resumes_exactly():
     assert all(h["hindsight_pairs"] > 0 and h["pairs"] == h["hindsight_pairs"] for h in history)
     assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # -log sigmoid(0)
     assert metrics["val_hindsight_accuracy_before"] == 0.5 and metrics["val_couple_accuracy_before"] == 0.0
+    assert metrics["val_hindsight_margin_before"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["val_hindsight_pairs"] > 0 and 0 <= metrics["val_stream_reward"] <= 1
     weights = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
 

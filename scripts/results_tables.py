@@ -371,6 +371,24 @@ def stream_rl_gate() -> str:
             + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}.\n")
 
 
+def stream_rl_learnability() -> str:
+    """Addendum 6 of experiments/icrl_stream_rl: the hindsight-couple contrast on fixed couples (learnability.json)."""
+    data = _json("experiments/icrl_stream_rl/learnability.json")
+    rows = []
+    for run in data["runs"]:
+        for row in run["history"]:
+            if "train" not in row:
+                continue
+            t, v = row["train"], row["val"]
+            rows.append([f"{run['learning_rate']:g}", str(row["step"]), _fmt(t["mean_contrast_m"], 2),
+                         _fmt(t["share_m_positive"], 2), _fmt(t["pair_accuracy"], 2), _fmt(v["mean_contrast_m"], 2),
+                         _fmt(v["share_m_positive"], 2), _fmt(v["pair_accuracy"], 2)])
+    return (_table(["lr", "step", "training couples: mean m", "m > 0", "pairs preferred", "validation couples: mean m",
+                    "m > 0", "pairs preferred"], rows)
+            + f"\n{data['train_couples']} training couples (fixed), {data['val_couples']} validation couples; "
+            f"{data['loss']} loss, beta {data['beta']}; a feedback-blind policy has m = 0 and prefers half the pairs.\n")
+
+
 def code_rl() -> str:
     """The pre-registered short GRPO and DPO runs on the code tasks (experiments/code_rl/results.json)."""
     path = ROOT / "experiments/code_rl/results.json"
@@ -522,6 +540,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "bench-sandbox": bench_sandbox,
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
+    "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,
     "demo-summary": demo_summary,

@@ -483,7 +483,7 @@ class DPOConfig(OptimFields):
     wrong) answer pairs in one context, from the tokenized episodes (the reward model's pairs), with
     mine_streams mined from the policy's own in-context RL streams, and with mine_code (passing, failing)
     completions of code tasks sampled from the policy (docs/CODE_RL.md); the reference is the policy with its
-    adapters disabled. An alternative to reward_model + ppo: evaluate it with evaluate.adapter:
+    adapters disabled, or the start adapter frozen (`reference`). An alternative to reward_model + ppo: evaluate it with evaluate.adapter:
     artifacts/dpo/adapter."""
 
     loss: Annotated[Literal["dpo", "ipo"], Field(description="dpo: -log sigmoid(beta h); ipo: (h - 1/(2 beta))^2, "
@@ -507,8 +507,11 @@ class DPOConfig(OptimFields):
                                           "task's labels swapped), and each later query whose right answer "
                                           "flips with it gives a pair in the real and in the renamed context; "
                                           "DPO on the constrained decision where the two labels part.")] = False
+    reference: Annotated[Literal["base", "start"], Field(description="The reference policy of the DPO/IPO "
+                         "losses: base (the adapters disabled) or start (the adapter the run starts from, frozen: "
+                         "every pair's margin starts at 0 when DPO starts from the bootstrap; LoRA only).")] = "base"
     hindsight_loss: Annotated[Literal["dpo", "contrast"], Field(description="Loss of the hindsight couples: dpo "
-                              "(each pair against the reference, the adapters disabled) or contrast "
+                              "(each pair against the reference, dpo.reference) or contrast "
                               "(reference-free, per couple: -log sigmoid(beta (margin in the real world + margin "
                               "in the renamed world)); zero gradient on the preference both worlds share).")] = "dpo"
     stream: StreamConfig = Field(default_factory=lambda: StreamConfig(eval_groups=0),

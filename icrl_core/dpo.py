@@ -223,6 +223,8 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
 
         task_set = code_rl.CodeTaskSet.from_config(code)
         eval_tasks = code_rl.eval_sample(task_set.test, cfg.code.eval_tasks, seed)
+    if cfg.reference == "start":  # before the loop restores a checkpoint: the reference is where the run began
+        policy.freeze_reference()
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule)
     val_pairs = list(val_pairs)[: cfg.max_eval_pairs]

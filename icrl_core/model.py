@@ -220,6 +220,7 @@ class Policy:
     spec: str
     value_head: ValueHead | None = None
     _frozen_blocks: dict[int, nn.Module] = field(default_factory=dict)
+    _reference_lora: list[tuple[nn.ModuleDict, str, nn.Module]] = field(default_factory=list)
     _tokens: Tokens | None = None
 
     @property
@@ -246,10 +247,38 @@ class Policy:
     def context_window(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
+    def freeze_reference(self) -> None:
+        """Make the LoRA adapter's current weights the reference policy instead of the base model: `reference()`
+        then swaps frozen copies of the LoRA matrices in (module objects, not values, so an autograd graph built
+        on the trained ones stays valid). For preference losses started from an adapter (DPO from the bootstrap):
+        every pair's implicit reward margin then starts at 0. The copies are not model parameters: checkpoints
+        and saved adapters hold the trained weights only."""
+        if not isinstance(self.adapter, LoraAdapter):
+            raise UserError("a reference frozen at the start adapter (dpo.reference=start) needs "
+                            "model.adapter.kind=lora")
+        frozen = []
+        for module in self.model.modules():
+            for name in ("lora_A", "lora_B"):
+                container = getattr(module, name, None)
+                if isinstance(container, nn.ModuleDict):
+                    frozen += [(container, key, copy.deepcopy(layer).requires_grad_(False))
+                               for key, layer in container.items()]
+        self._reference_lora = frozen
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """Run the reference policy: LoRA adapters disabled, or the frozen copies of the trained blocks."""
-        if isinstance(self.adapter, LoraAdapter):
+        """Run the reference policy: LoRA adapters disabled (or the LoRA weights frozen by `freeze_reference`),
+        or the frozen copies of the trained blocks."""
+        if isinstance(self.adapter, LoraAdapter) and self._reference_lora:
+            trained = [(container, key, container[key]) for container, key, _ in self._reference_lora]
+            try:
+                for container, key, layer in self._reference_lora:
+                    container[key] = layer
+                yield
+            finally:
+                for container, key, layer in trained:
+                    container[key] = layer
+        elif isinstance(self.adapter, LoraAdapter):
             with self.model.disable_adapter():
                 yield
         elif isinstance(self.adapter, LastBlocksAdapter):

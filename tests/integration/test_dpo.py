@@ -16,7 +16,7 @@ from icrl_core.supervised import episode_pairs
 from tasks.settings import load_config
 from tests.conftest import Killed, MemoryRuntime
 from tests.stage_helpers import keyword_rows, stage_args
-from tests.unit.test_dpo import _policy
+from tests.unit.test_dpo import _policy, _start_adapter
 
 
 def _cfg(**overrides) -> DPOConfig:
@@ -48,6 +48,25 @@ def test_dpo_raises_preference_accuracy_and_resumes_exactly(tokens):
     assert all(torch.equal(weights[k], v) for k, v in resumed_policy.trainable_state_dict().items())
     ipo, _ = train_dpo(_policy(), pairs, val, _cfg(loss="ipo", max_steps=2), seed=1, runtime=MemoryRuntime())
     assert ipo["loss"] > 0
+
+
+def test_dpo_from_an_adapter_with_the_start_as_reference_starts_at_log_2_and_resumes_exactly(tokens):
+    """dpo.reference=start from a non-zero adapter: the first loss is log 2 (against the base model it is not), and
+    a killed run resumes to the same weights (the reference is frozen before the checkpoint is restored)."""
+    pairs = episode_pairs(keyword_rows(tokens)[0])[:8]
+    cfg = _cfg(reference="start", max_steps=4)
+    policy = _start_adapter()
+    _, history = train_dpo(policy, pairs, pairs, cfg, seed=1, runtime=MemoryRuntime())
+    assert history[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    _, base_history = train_dpo(_start_adapter(), pairs, pairs, _cfg(max_steps=1), seed=1, runtime=MemoryRuntime())
+    assert abs(base_history[0]["loss"] - math.log(2)) > 1e-3
+    saved: list = []
+    with pytest.raises(Killed):
+        train_dpo(_start_adapter(), pairs, pairs, cfg, seed=1, runtime=MemoryRuntime(saved, kill_after=2))
+    resumed = _start_adapter()
+    train_dpo(resumed, pairs, pairs, cfg, seed=1, runtime=MemoryRuntime(saved))
+    weights = policy.trainable_state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in resumed.trainable_state_dict().items())
 
 
 def test_dpo_stage_trains_on_episode_and_mined_pairs(in_tmp):

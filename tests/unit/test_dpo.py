@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from icrl_core.config import LoraAdapter
-from icrl_core.dpo import answer_start, preference_margins
+from icrl_core.dpo import answer_logps, answer_start, preference_margins
 from icrl_core.model import load_policy
 from icrl_core.supervised import Pair, episode_pairs
 from tasks.settings import PipelineConfig, with_overrides
@@ -16,6 +16,48 @@ from tests.stage_helpers import keyword_rows
 
 def _policy():
     return load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _start_adapter():
+    """The tiny policy with LoRA weights away from 0 (a stand-in for the bootstrap adapter DPO starts from)."""
+    policy = _policy()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=generator))
+    return policy
+
+
+def test_a_reference_frozen_at_the_start_adapter_stays_there_while_the_policy_trains(tokens):
+    """dpo.reference=start: margins start at 0 from a non-zero adapter (against the base model they do not), the
+    reference keeps the start weights after an update, a graph built before a reference pass still backpropagates,
+    and the frozen copies are not trainable weights."""
+    pairs = episode_pairs(keyword_rows(tokens)[0])[:4]
+    policy = _start_adapter()
+    assert preference_margins(policy, pairs).abs().max() > 1e-3  # reference = base model
+    names = set(policy.trainable_state_dict())
+    sequences, starts = [p.preferred for p in pairs], [answer_start(p) for p in pairs]
+    with torch.no_grad():
+        start_logps = answer_logps(policy, sequences, starts)
+    policy.freeze_reference()
+    assert set(policy.trainable_state_dict()) == names and len(policy.trainable_parameters()) == len(names)
+    margins = preference_margins(policy, pairs)  # policy pass with a graph, then the reference pass
+    assert torch.allclose(margins.detach(), torch.zeros(4), atol=1e-5)
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.05)
+    (-margins.sum()).backward()
+    optimizer.step()
+    assert preference_margins(policy, pairs).sum() > 1e-3  # the policy moved ...
+    with torch.no_grad(), policy.reference():
+        assert torch.allclose(answer_logps(policy, sequences, starts), start_logps, atol=1e-6)  # ... its reference not
+
+
+def test_a_reference_frozen_at_the_start_needs_lora():
+    from icrl_core.config import LastBlocksAdapter
+    from icrl_core.errors import UserError
+
+    policy = load_policy("tiny", seed=0, adapter=LastBlocksAdapter(n_blocks=1))
+    with pytest.raises(UserError, match="needs model.adapter.kind=lora"):
+        policy.freeze_reference()
 
 
 def test_answers_start_where_the_pair_differs_and_the_margin_starts_at_zero(tokens):

@@ -355,13 +355,16 @@ def stream_rl_gate() -> str:
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
     for name, s in sorted(results["settings"].items()):
         v = s["validation_training_tasks"]
-        label = f"{s['iterations']} iterations" + (" after setting 2's 40" if name == "3" else "")
-        if "val_couple_accuracy" in v:  # settings 4 and 5 (PREREGISTERED.md addenda 4-5)
-            label += ", contrast loss on hindsight couples" if name == "5" else ", DPO on hindsight couples"
+        after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step"}
+        label = f"{s['iterations']} iterations" + after.get(name, "")
+        if "val_couple_accuracy" in v:  # settings 4-6 (PREREGISTERED.md addenda 4, 5, 7)
+            label += ", DPO on hindsight couples" if name == "4" else ", contrast loss on hindsight couples"
         stream = (f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
                   f" -> {v['val_switch_after_wrong'][1]:.2f}")
         if "val_couple_accuracy" in v:  # 0 for a feedback-blind policy
             stream += f"; couples both right {v['val_couple_accuracy'][0]:.2f} -> {v['val_couple_accuracy'][1]:.2f}"
+        if "val_hindsight_margin" in v:  # mean contrast m per couple (beta 1)
+            stream += f"; contrast m {v['val_hindsight_margin'][0]:.2f} -> {v['val_hindsight_margin'][1]:.2f}"
         rows.append([f"setting {name} ({label})", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
                      _signed(s["gate1_gap"]), "passed" if s["gate1_passed"] else "failed", stream])
     return (_table([f"p(`{boot['target']}`) on {boot['task']}", "no context", "1 attempt marked wrong",

@@ -44,6 +44,8 @@ def validation(run_dir: Path) -> tuple[int, dict]:
                                                                                  "val_switch_after_wrong")}
     pairs = {"val_reward": "val_stream_reward", "val_switch_after_wrong": "val_switch_after_wrong",
              "val_hindsight_accuracy": "val_hindsight_accuracy", "val_couple_accuracy": "val_couple_accuracy"}
+    if "val_hindsight_margin" in metrics:  # logged from setting 6 on: beta m (contrast) or beta h (dpo) per pair
+        pairs["val_hindsight_margin"] = "val_hindsight_margin"
     return metrics["step"], {key: [metrics[f"{name}_before"], metrics[name]] for key, name in pairs.items()}
 
 

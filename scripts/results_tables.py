@@ -208,6 +208,10 @@ def bench_inference_engine() -> str:
             rows.append([f"aggregate, {agg['runs']} explorative runs", "torch", r["mode"],
                          _fmt(r["aggregate_steps_per_s"], 3), f"{r['speedup_vs_pool']:.2f}x (vs the pool)",
                          f"{r['step_prediction_agreement_with_pool']:.3f} (with the pool)", ">= 3x"])
+    steps = ""
+    if single:
+        steps = (f"explorative {single['explorative']['runs'][0]['steps']} steps, naive "
+                 f"{single['naive']['runs'][0]['steps']} ({single['naive']['max_examples']} while the window fills), ")
     vllm_file = ROOT / "bench/results/inference_engine_vllm.json"
     note = ""
     if vllm_file.exists():
@@ -216,7 +220,7 @@ def bench_inference_engine() -> str:
                 f"not side by side): {v['speedup_vllm_vs_torch']:.2f}x, per-step prediction agreement "
                 f"{v['step_prediction_agreement']:.3f}.")
     return (_table(["measure", "engine", "mode", "steps/s", "vs the port", "prediction agreement", "target"], rows)
-            + f"\n{data['task']}, {data['context_window']}-token window, one torch thread per run, the runs of a "
+            + f"\n{data['task']}, {data['context_window']}-token window, {steps}one torch thread per run, the runs of a "
             f"part side by side; {'quick runs, ' if data['quick'] else ''}measured {data['finished'][:10]}.{note}\n")
 
 

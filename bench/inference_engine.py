@@ -7,10 +7,10 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
      every prompt computed from scratch, every query on its own), same seed/cap/steps;
    * naive: the port, the engine on the paper's sliding window (exact), and the engine on the block-eviction
      variant (`icrl_eval.evict_episodes`, a different protocol), whose per-step prediction agreement and
-     test-accuracy curve vs the exact protocol are reported.
-   * the faster modes that change numerics, beside them in the same run: the engine in bfloat16 (explorative;
-     naive with block eviction), with their per-step prediction agreement with the exact fp32 run. Steps are split into the growing phase (context
+     test-accuracy curve vs the exact protocol are reported. Steps are split into the growing phase (context
      not yet full) and the full phase, whose rate is stationary: the 1000-step rate is projected from it.
+   * the faster modes that change numerics, beside them in the same run: the engine in bfloat16 (explorative;
+     naive with block eviction), with their per-step prediction agreement with the exact fp32 run.
 2. aggregate (all cores): the same evaluation runs (explorative, several seeds) through the evaluate stage's code
    (`tasks.evaluate.run_evaluations`): today's pool (one single-threaded process per core) vs one engine serving
    them as streams (threads), exact and with fused passes (`inference.fuse_streams`); steps summed over the runs
@@ -177,22 +177,10 @@ def single_stream(args) -> dict:
     naive = {"load_avg": load, "max_examples": exact["max_examples"], "port": _rates(port, args),
              "exact": {"engine": "torch", "mode": "exact (sliding window, the paper's protocol)", **_rates(exact, args),
                        "identical_predictions_to_port": exact["predictions"] == port["predictions"]},
-             "block_eviction": {"engine": "torch", "mode": f"protocol variant: evict_episodes={args.evict}",
-                                **_rates(block, args),
-                                "step_prediction_agreement_with_exact": agreement(block["predictions"],
-                                                                                  exact["predictions"]),
-                                "test_accuracy_curve": block["test_curve"],
-                                "exact_test_accuracy_curve": exact["test_curve"],
-                                "test_prediction_agreement_with_exact": test_agreement(block["test_predictions"],
-                                                                                       exact["test_predictions"])},
-             "block_eviction_bf16": {"engine": "torch",
-                                     "mode": f"protocol variant evict_episodes={args.evict}, bfloat16 (changes numerics)",
-                                     **_rates(block_bf16, args),
-                                     "step_prediction_agreement_with_exact": agreement(block_bf16["predictions"],
-                                                                                       exact["predictions"]),
-                                     "test_accuracy_curve": block_bf16["test_curve"],
-                                     "test_prediction_agreement_with_exact": test_agreement(
-                                         block_bf16["test_predictions"], exact["test_predictions"])},
+             "block_eviction": {**_against_exact(block, exact, f"protocol variant: evict_episodes={args.evict}", args),
+                                "exact_test_accuracy_curve": exact["test_curve"]},
+             "block_eviction_bf16": _against_exact(
+                 block_bf16, exact, f"protocol variant evict_episodes={args.evict}, bfloat16 (changes numerics)", args),
              "runs": [_strip(r) for r in runs]}
     for name in ("exact", "block_eviction", "block_eviction_bf16"):
         entry = naive[name]
@@ -203,6 +191,14 @@ def single_stream(args) -> dict:
     out["naive"] = naive
     print(json.dumps({k: v for k, v in naive.items() if k != "runs"}), flush=True)
     return out
+
+
+def _against_exact(run: dict, exact: dict, mode: str, args) -> dict:
+    """A faster naive mode's rates, and its per-step and test agreement with the exact run (and its curve)."""
+    return {"engine": "torch", "mode": mode, **_rates(run, args),
+            "step_prediction_agreement_with_exact": agreement(run["predictions"], exact["predictions"]),
+            "test_accuracy_curve": run["test_curve"],
+            "test_prediction_agreement_with_exact": test_agreement(run["test_predictions"], exact["test_predictions"])}
 
 
 def _rates(run: dict, args) -> dict:

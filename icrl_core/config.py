@@ -342,6 +342,10 @@ class StreamConfig(Section):
                                  "workers).")] = 2
     eval_groups: Annotated[int, Field(ge=0, description="Validation groups (tasks from the validation pools, the "
                                       "same ones at every evaluation) run at each evaluation (0: none).")] = 2
+    draw_offset: Annotated[int, Field(ge=0, description="Added to the iteration in the training draws' keys "
+                                      "(tasks, queries, sampling): a run continued from another run's adapter "
+                                      "sets the earlier run's steps here to draw fresh streams instead of "
+                                      "repeating its first iterations' (validation draws never move).")] = 0
 
 
 class AsyncRollouts(Section):

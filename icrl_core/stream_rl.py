@@ -262,20 +262,27 @@ def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, 
 # Rolling out and measuring streams
 
 
+def draw_key(cfg: PPOConfig, iteration: int) -> int:
+    """The iteration the draws of `iteration` are keyed by: training iterations (>= 1) shifted by
+    stream.draw_offset, validation (0) never."""
+    return iteration + cfg.stream.draw_offset if iteration > 0 else iteration
+
+
 def stream_tasks(sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration: int, groups: Sequence[int],
                  split: str) -> list[tuple[int, StreamTask]]:
-    """(group, task) of `groups` at `iteration` (0: validation), each task keyed by (seed, split, iteration,
+    """(group, task) of `groups` at `iteration` (0: validation), each task keyed by (seed, split, draw_key,
     group): what a rollout actor needs besides the policy (icrl_core/async_rollouts.py)."""
-    return [(group, sample_stream_task(sources, data, cfg.stream.steps, seed, f"{split}-{iteration}-{group}", split))
+    key = draw_key(cfg, iteration)
+    return [(group, sample_stream_task(sources, data, cfg.stream.steps, seed, f"{split}-{key}-{group}", split))
             for group in groups]
 
 
 def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConfig, seed: int, iteration: int,
                    max_tokens: int) -> list[Stream]:
-    """The `group_size` streams of each (group, task), draws by (seed, iteration, group, stream)."""
+    """The `group_size` streams of each (group, task), draws by (seed, draw_key, group, stream)."""
     streams: list[Stream] = []
     for group, task in tasks:
-        rngs = [stream_rng(seed, iteration, group, g) for g in range(cfg.stream.group_size)]
+        rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g) for g in range(cfg.stream.group_size)]
         streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens)
     return streams
 

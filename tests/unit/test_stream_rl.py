@@ -144,3 +144,19 @@ def test_stream_statistics_by_hand():
     # after a wrong answer: a0->a1 same, a1->a2 switch; b0->b1, b1->b2, b2->b3 same -> 1 / 5
     assert stats["switch_after_wrong"] == pytest.approx(1 / 5)
     assert stats["answer_prob"] == pytest.approx(0.5)
+
+
+def test_draw_offset_shifts_training_draws_not_validation():
+    from icrl_core.stream_rl import draw_key, stream_tasks
+
+    sources = resolve_sources(DATA, 0)
+    plain = PPOConfig(mode="stream", stream={"steps": 4, "groups": 2})
+    shifted = PPOConfig(mode="stream", stream={"steps": 4, "groups": 2, "draw_offset": 20})
+    assert [draw_key(shifted, i) for i in (0, 1, 5)] == [0, 21, 25]
+
+    def queries(cfg, iteration, split):
+        return [[q.text for q in task.queries] for _, task in stream_tasks(sources, DATA, cfg, 0, iteration,
+                                                                          range(2), split)]
+
+    assert queries(shifted, 3, "train") == queries(plain, 23, "train") != queries(plain, 3, "train")
+    assert queries(shifted, 0, "val") == queries(plain, 0, "val")

@@ -4,7 +4,8 @@
         --bootstrap-probe runs/gate1/probe-boot.json \
         --setting 1=artifacts/ppo:runs/gate1/probe-rl.json \
         --setting 2=artifacts/ppo_distill:runs/gate1-s2/probe-rl.json \
-        --setting 4=artifacts/dpo_hindsight:runs/gate1-s4/probe-rl.json
+        --setting 4=artifacts/dpo_hindsight:runs/gate1-s4/probe-rl.json \
+        --describe 4="dpo stage (artifacts/dpo_hindsight), DPO on hindsight couples"
 
 A setting's run folder is a ppo stage output (evals.json) or a dpo stage output (metrics.json with the
 validation numbers before and after; setting 4: DPO on hindsight couples, with their couple accuracy).
@@ -49,11 +50,11 @@ def validation(run_dir: Path) -> tuple[int, dict]:
     return metrics["step"], {key: [metrics[f"{name}_before"], metrics[name]] for key, name in pairs.items()}
 
 
-def setting_row(run_dir: Path, probe: Path) -> dict:
+def setting_row(run_dir: Path, probe: Path, description: str | None = None) -> dict:
     iterations, values = validation(run_dir)
     row = probe_row(probe)
     gap = row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"]
-    return {"run": str(run_dir), "iterations": iterations, "validation_training_tasks": values,
+    return {"run": description or str(run_dir), "iterations": iterations, "validation_training_tasks": values,
             "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN}
 
 
@@ -61,15 +62,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bootstrap-probe", type=Path)
     parser.add_argument("--setting", action="append", default=[], help="NAME=RUN_DIR:PROBE_JSON")
+    parser.add_argument("--describe", action="append", default=[],
+                        help="NAME=TEXT: what the setting's run was (results.json `run`; default: RUN_DIR)")
     args = parser.parse_args()
     out = HERE / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
     if args.bootstrap_probe:
         results["bootstrap_probe"] = probe_row(args.bootstrap_probe)
+    descriptions = dict(item.split("=", 1) for item in args.describe)
     for item in args.setting:
         name, paths = item.split("=", 1)
         run_dir, probe = paths.split(":", 1)
-        results["settings"][name] = setting_row(Path(run_dir), Path(probe))
+        results["settings"][name] = setting_row(Path(run_dir), Path(probe), descriptions.get(name))
     out.write_text(json.dumps(results, indent=2) + "\n")
     for name, s in sorted(results["settings"].items()):
         print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> gate 1 {'passed' if s['gate1_passed'] else 'failed'}")

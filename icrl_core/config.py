@@ -75,6 +75,14 @@ class ModelConfig(Section):
         Path | None,
         Field(description="Where dequantized models are cached as safetensors. Default: ~/.cache/icrl."),
     ] = None
+    right_padding_mask: Annotated[
+        bool,
+        Field(description="Give attention the padding mask of right-padded batches without a KV cache (training "
+              "and scoring passes). false: causal attention alone, since a right-padded row's real tokens never "
+              "see its padding: the same forward numbers at real positions through SDPA's mask-free causal path "
+              "(less memory: bench/grpo_step.py), but gradients that differ in float rounding (~1e-7 relative), "
+              "so on by default: runs recorded with the mask reproduce bit for bit."),
+    ] = True
     adapter: Adapter = Field(default_factory=LoraAdapter, description="What is trained: LoRA, last N blocks, none.")
     init_adapter: Annotated[
         Path | None,

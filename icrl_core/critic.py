@@ -178,7 +178,7 @@ def new_critic(model_config, bins: JointBins, seed: int = 0, init_adapter=None):
                         f"{model_config.adapter.kind} is not supported; use lora")
     policy = load_policy(model_config.spec, model_config.dtype, model_config.adapter, cache_dir=model_config.cache_dir,
                          seed=seed, init_adapter=init_adapter, device=model_config.device,
-                         added_tokens=bins.token_names())
+                         added_tokens=bins.token_names(), right_padding_mask=model_config.right_padding_mask)
     return policy, critic_tokens(policy.tokenizer, bins)
 
 

@@ -209,6 +209,15 @@ class ValueHead(nn.Module):
         return head
 
 
+# Arguments of a pass that continues a KV cache or sets its own positions: its padding mask is needed.
+CACHED_PASS = {"past_key_values", "position_ids", "cache_position"}
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Every row of a (B, T) 0/1 mask is ones, then zeros (nothing real after padding)."""
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+
+
 @dataclass
 class Policy:
     """A causal LM with an optional trainable part (LoRA or last blocks), an optional value head, and the
@@ -222,6 +231,7 @@ class Policy:
     _frozen_blocks: dict[int, nn.Module] = field(default_factory=dict)
     _reference_lora: list[tuple[nn.ModuleDict, str, nn.Module]] = field(default_factory=list)
     _tokens: Tokens | None = None
+    right_padding_mask: bool = True  # model.right_padding_mask
 
     @property
     def tokens(self) -> Tokens:
@@ -365,6 +375,9 @@ class Policy:
         attention_mask = attention_mask.to(device) if attention_mask is not None else None
         logits_at = logits_at.to(device) if logits_at is not None else None
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        if (not self.right_padding_mask and attention_mask is not None and not kwargs.keys() & CACHED_PASS
+                and right_padded(attention_mask)):
+            attention_mask = None  # causal attention alone: real tokens come before a row's padding
         out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = out.last_hidden_state
         selected = hidden[logits_at] if logits_at is not None else hidden
@@ -439,11 +452,12 @@ def apply_adapter(model: nn.Module, adapter: Adapter,
 
 def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | None = None,
                 value_head: bool = False, cache_dir: Path | None = None, seed: int = 0,
-                init_adapter: Path | None = None, device: str = "auto", added_tokens: Sequence[str] = ()) -> Policy:
+                init_adapter: Path | None = None, device: str = "auto", added_tokens: Sequence[str] = (),
+                right_padding_mask: bool = True) -> Policy:
     """Load a policy onto `device` (`resolve_device`). `adapter` defaults to no trainable part (evaluation).
     Everything is built and seeded on the CPU, then moved: the same initial numbers on every device.
     `added_tokens`: special tokens added to the vocabulary (`add_special_tokens`) and, under LoRA, trained with it
-    (the critic's joint-bin tokens, icrl_core/critic.py)."""
+    (the critic's joint-bin tokens, icrl_core/critic.py). `right_padding_mask`: model.right_padding_mask."""
     adapter = adapter or FrozenAdapter()
     base, tokenizer = load_base_model(spec, dtype, cache_dir, seed)
     token_ids = add_special_tokens(base, tokenizer, added_tokens) if added_tokens else []
@@ -452,7 +466,7 @@ def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | 
         model, frozen = apply_adapter(base, adapter, token_ids if isinstance(adapter, LoraAdapter) else ())
         head = ValueHead(base.config.hidden_size) if value_head else None
     policy = Policy(model=model, tokenizer=tokenizer, adapter=adapter, spec=spec, value_head=head,
-                    _frozen_blocks=frozen)
+                    _frozen_blocks=frozen, right_padding_mask=right_padding_mask)
     if init_adapter is not None:
         policy.load_adapter(init_adapter)
     policy.to(resolve_device(device))
@@ -470,4 +484,5 @@ def policy_from_config(model_config, value_head: bool = False, seed: int = 0, ad
     if adapter is None:
         adapter = (saved_adapter(init_adapter) if init_adapter is not None else None) or model_config.adapter
     return load_policy(model_config.spec, model_config.dtype, adapter, value_head,
-                       model_config.cache_dir, seed, init_adapter, model_config.device)
+                       model_config.cache_dir, seed, init_adapter, model_config.device,
+                       right_padding_mask=model_config.right_padding_mask)

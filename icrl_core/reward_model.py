@@ -122,7 +122,7 @@ def new_reward_model(model_config: ModelConfig, init_adapter: Path | None, seed:
     e.g. the bootstrap output, or fresh) and a new head."""
     policy = load_policy(model_config.spec, model_config.dtype, model_config.adapter, value_head=False,
                          cache_dir=model_config.cache_dir, seed=seed, init_adapter=init_adapter,
-                         device=model_config.device)
+                         device=model_config.device, right_padding_mask=model_config.right_padding_mask)
     return RewardModel(policy, seed=seed)
 
 
@@ -189,7 +189,8 @@ def load_reward_model(folder: Path | str, model_config: ModelConfig) -> RewardMo
     except (KeyError, ValidationError) as exc:
         raise CheckpointError(f"{folder / META_FILE}: bad adapter description ({exc})") from None
     policy = load_policy(model_config.spec, model_config.dtype, adapter, value_head=False,
-                         cache_dir=model_config.cache_dir, device=model_config.device)
+                         cache_dir=model_config.cache_dir, device=model_config.device,
+                         right_padding_mask=model_config.right_padding_mask)
     policy.load_trainable_state_dict(load_safetensors(folder / ADAPTER_FILE), str(folder / ADAPTER_FILE))
     head = ValueHead.load(folder / HEAD_FILE)
     if head.linear.weight.shape[1] != policy.config.hidden_size:

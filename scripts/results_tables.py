@@ -143,9 +143,12 @@ def bench_grpo_vs_trl() -> str:
     ratio = data["ratio"]
     return ("GRPO, one iteration (bench/grpo_step.py; method in docs/STREAMS.md):\n\n"
             + _table(["variant", "s / iteration", "tokens", "tokens/s", "peak RSS MB"], rows)
-            + f"\nicrl / TRL GRPOTrainer: tokens/s x{ratio['tokens_per_second_icrl_over_trl']:.2f}, "
-            f"peak RSS x{ratio['peak_rss_icrl_over_trl']:.2f} (goal {ratio['goal']}: "
-            f"{'met' if ratio['goal_met'] else 'missed'}).\n")
+            + "".join(f"\n{name} / TRL GRPOTrainer: tokens/s x{ratio[f'tokens_per_second_icrl{suffix}_over_trl']:.2f}, "
+                      f"peak RSS x{ratio[f'peak_rss_icrl{suffix}_over_trl']:.2f} (goal {ratio['goal']}: "
+                      f"{'met' if ratio[f'goal_met{suffix}'] else 'missed'})."
+                      for name, suffix in (("icrl", ""), ("icrl-causal (model.right_padding_mask=false)", "_causal"))
+                      if f"goal_met{suffix}" in ratio)
+            + "\n")
 
 
 def bench_async_rollouts() -> str:

@@ -176,3 +176,29 @@ def test_dtype_auto_picks_bfloat16_only_where_it_is_fast():
         resolve_dtype("float16")
     model, _ = load_base_model("tiny", "auto")
     assert model.dtype == getattr(torch, resolve_dtype("auto"))
+
+
+def test_without_the_right_padding_mask_real_positions_are_unchanged(tiny):
+    """model.right_padding_mask=false drops the mask of right-padded passes only: the real positions' logits are
+    those of the masked pass; a left-padded batch or a cached pass keeps its mask."""
+    from icrl_core.model import right_padded
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+    right = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    left = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    assert right_padded(right) and not right_padded(left)
+    real = right.bool()
+    with torch.no_grad():
+        masked, _, _ = tiny.forward(ids, right)
+        masked_left, _, _ = tiny.forward(ids, left)
+        tiny.right_padding_mask = False
+        try:
+            causal, _, _ = tiny.forward(ids, right)
+            causal_left, _, _ = tiny.forward(ids, left)
+        finally:
+            tiny.right_padding_mask = True
+    assert torch.allclose(causal[real], masked[real], atol=1e-6)
+    assert torch.equal(causal_left, masked_left)
+    assert not torch.allclose(causal[~real], masked[~real], atol=1e-3)  # the padding's outputs did change
+    policy = policy_from_config(ModelConfig(spec="tiny", right_padding_mask=False))
+    assert not policy.right_padding_mask

@@ -148,7 +148,9 @@ def bench_grpo_vs_trl() -> str:
                       f"{'met' if ratio[f'goal_met{suffix}'] else 'missed'})."
                       for name, suffix in (("icrl", ""), ("icrl-causal (model.right_padding_mask=false)", "_causal"))
                       if f"goal_met{suffix}" in ratio)
-            + "\n")
+            + f"\nMeasured {data['environment']['timestamp'][:10]}, {data['settings']['torch_threads']} torch thread "
+            f"per side, load average {data['environment']['load_average_at_end'][0]:.1f} at the end on the "
+            f"{data['environment']['cpu_count']} cores.\n")
 
 
 def bench_async_rollouts() -> str:
@@ -362,9 +364,10 @@ def stream_rl_gate() -> str:
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
     for name, s in sorted(results["settings"].items()):
         v = s["validation_training_tasks"]
-        after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step"}
+        after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step",
+                 "7": " after setting 6's 20, fresh draws", "8": " after setting 7's 40, opaque labels renamed per stream"}
         label = f"{s['iterations']} iterations" + after.get(name, "")
-        if "val_couple_accuracy" in v:  # settings 4-6 (PREREGISTERED.md addenda 4, 5, 7)
+        if "val_couple_accuracy" in v:  # settings 4-8 (PREREGISTERED.md addenda 4, 5, 7-9)
             label += ", DPO on hindsight couples" if name == "4" else ", contrast loss on hindsight couples"
         stream = (f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
                   f" -> {v['val_switch_after_wrong'][1]:.2f}")

@@ -49,6 +49,7 @@ from bench.ppo_step import (
 )
 
 VARIANTS = ("icrl", "icrl-causal", "trl")  # icrl-causal: model.right_padding_mask=false
+ICRL_SIDES = (("icrl", ""), ("icrl-causal", "_causal"))  # (variant, suffix of its ratio keys)
 LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 LEARNING_RATE = 1e-5
 CLIP = 0.2
@@ -227,7 +228,7 @@ def main() -> None:
     if "icrl" in by_name and "trl" in by_name:
         trl = by_name["trl"]
         ratio = {"goal": ">= 1.5x tokens/s, <= 0.7x peak RSS (issue 26)"}
-        for name, suffix in (("icrl", ""), ("icrl-causal", "_causal")):
+        for name, suffix in ICRL_SIDES:
             if name in by_name:
                 ratio[f"tokens_per_second_icrl{suffix}_over_trl"] = (by_name[name]["tokens_per_second"]
                                                                       / trl["tokens_per_second"])
@@ -260,9 +261,9 @@ def main() -> None:
             continue
         print(f"{r['variant']:<11} {r['seconds']:>7.2f} {r['generated_tokens']:>5.0f} {r['trained_tokens']:>8.0f} "
               f"{r['tokens_per_second']:>7.1f} {r['peak_rss_mb']:>12.0f}")
-    for suffix in ("", "_causal"):
+    for name, suffix in ICRL_SIDES:
         if f"goal_met{suffix}" in ratio:
-            print(f"icrl{suffix.replace('_', '-')} / TRL: tokens/s x{ratio[f'tokens_per_second_icrl{suffix}_over_trl']:.2f}, "
+            print(f"{name} / TRL: tokens/s x{ratio[f'tokens_per_second_icrl{suffix}_over_trl']:.2f}, "
                   f"peak RSS x{ratio[f'peak_rss_icrl{suffix}_over_trl']:.2f} (goal met: {ratio[f'goal_met{suffix}']})")
     print(f"wrote {args.out}")
 

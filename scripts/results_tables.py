@@ -362,10 +362,10 @@ def stream_rl_gate() -> str:
     contexts = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
     boot = results["bootstrap_probe"]
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
+    after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step",
+             "7": " after setting 6's 20, fresh draws", "8": " after setting 7's 40, opaque labels renamed per stream"}
     for name, s in sorted(results["settings"].items()):
         v = s["validation_training_tasks"]
-        after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step",
-                 "7": " after setting 6's 20, fresh draws", "8": " after setting 7's 40, opaque labels renamed per stream"}
         label = f"{s['iterations']} iterations" + after.get(name, "")
         if "val_couple_accuracy" in v:  # settings 4-8 (PREREGISTERED.md addenda 4, 5, 7-9)
             label += ", DPO on hindsight couples" if name == "4" else ", contrast loss on hindsight couples"

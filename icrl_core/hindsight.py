@@ -31,7 +31,10 @@ the LM-head logits of the children of that label-trie node after the context and
     L = -log sigmoid(beta h)                                                      (`objectives.dpo_loss`)
 
 with pi_ref the policy with its adapters disabled. Or (`dpo.hindsight_loss: contrast`) reference-free, per
-couple, `objectives.couple_contrast_loss`: m = margin(real) + margin(renamed), L = -log sigmoid(beta m). With
+couple, `objectives.couple_contrast_loss`: m = margin(real) + margin(renamed), L = -log sigmoid(beta m). Or
+(`rank`) reference-free, per pair, `objectives.pairwise_rank_loss`: L = -log sigmoid(beta margin) in each world,
+satisfied only when each world ranks its own right answer first; the world ranked wrong (for a copying policy,
+the one whose feedback marks the copied label wrong) carries the gradient. With
 a reference other than the start policy the DPO pairs of a couple are not symmetric (h starts away from 0 where
 the start policy's preference differs from the reference's), so the DPO gradient also moves the preference both
 worlds share; the contrast moves only the feedback's effect. The node's input is in the stream's token sequence only when
@@ -56,7 +59,7 @@ import torch
 from icrl_core.chat import Tokens
 from icrl_core.icrl_eval import EpisodeRecord, candidate_sequences, render_context, render_query
 from icrl_core.kernels import ROOT, LabelTrie
-from icrl_core.objectives import couple_contrast_loss, dpo_loss
+from icrl_core.objectives import couple_contrast_loss, dpo_loss, pairwise_rank_loss
 from icrl_core.streams import STREAM_VIEW, Stream, restricted_logits
 
 
@@ -219,7 +222,9 @@ def couple_loss(policy, worlds: Sequence[World], beta: float, kind: str = "dpo"
 
     kind "dpo": mean DPO loss over the pairs against the reference (module docstring); margin = beta h, accuracy =
     pairs with h > 0. kind "contrast": `objectives.couple_contrast_loss`, no reference pass; margin = beta m per
-    couple (counted for both its pairs), accuracy = pairs of couples with m > 0."""
+    couple (counted for both its pairs), accuracy = pairs of couples with m > 0. kind "rank":
+    `objectives.pairwise_rank_loss` on every pair, no reference pass; margin = beta (log pi(chosen) -
+    log pi(rejected)) per pair, accuracy = policy_accuracy."""
     logp_w, logp_l = decision_logps(policy, worlds)
     real_index, renamed_index, start = [], [], 0
     for real in worlds[0::2]:  # worlds come as (real, renamed) pairs whose decisions are aligned
@@ -239,6 +244,10 @@ def couple_loss(policy, worlds: Sequence[World], beta: float, kind: str = "dpo"
         loss = couple_contrast_loss(margins[real_index], margins[renamed_index], beta)
         m = (margins[real_index] + margins[renamed_index]).detach()
         margin, accuracy = float(2 * beta * m.sum()), float(2 * (m > 0).sum())
+    elif kind == "rank":
+        loss = pairwise_rank_loss(logp_w, logp_l, beta)
+        margins = (logp_w - logp_l).detach()
+        margin, accuracy = float(beta * margins.sum()), float((margins > 0).sum())
     else:
         raise ValueError(f"unknown hindsight loss {kind!r}")
     right = (logp_w > logp_l).detach()

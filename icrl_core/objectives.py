@@ -366,6 +366,18 @@ def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     return ((h - 1.0 / (2.0 * beta)) ** 2).mean()
 
 
+def pairwise_rank_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """Reference-free pairwise logistic loss (the preference term of CPO, Xu et al., 2024), mean over pairs:
+
+        margin = log pi(y_w | context) - log pi(y_l | context)
+        L      = -log sigmoid(beta * margin)
+
+    Unlike DPO's h, the margin is not measured from a reference, so a pair is satisfied only once its chosen
+    answer is ranked first in its own context; the pairs ranked wrong carry the gradient (weight
+    sigmoid(-beta margin)). Arguments (P,): the log-probs of each pair's chosen and rejected answer."""
+    return -F.logsigmoid(beta * (policy_chosen - policy_rejected)).mean()
+
+
 def couple_contrast_loss(real_margin: torch.Tensor, renamed_margin: torch.Tensor, beta: float) -> torch.Tensor:
     """The feedback contrast of hindsight couples (icrl_core/hindsight.py), mean over couples, reference-free:
 

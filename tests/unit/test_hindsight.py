@@ -167,3 +167,24 @@ def test_the_contrast_loss_is_blind_to_the_shared_preference_and_teaches_the_con
     assert after["couple_accuracy"] > before["couple_accuracy"]
     with pytest.raises(ValueError):
         couple_loss(trained, couples.worlds, beta=0.1, kind="other")
+
+
+def test_the_rank_loss_counts_every_pair_and_ranks_the_right_answer_first(policy, streams):
+    """hindsight_loss rank (no reference pass): margin and accuracy per pair; AdamW steps on it raise the share of
+    pairs whose chosen answer is ranked first and the couples with both pairs right."""
+    import copy
+
+    trained = copy.deepcopy(policy)
+    couples = hindsight_couples(streams, trained.tokens, [random.Random(i) for i in range(len(streams))])
+    optimizer = torch.optim.AdamW(trained.trainable_parameters(), lr=2e-2)
+    first, before = couple_loss(trained, couples.worlds, beta=1.0, kind="rank")
+    assert before["pairs"] == 2 * couples.couples and before["accuracy"] == before["policy_accuracy"]
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss, _ = couple_loss(trained, couples.worlds, beta=1.0, kind="rank")
+        loss.backward()
+        optimizer.step()
+    last, after = couple_loss(trained, couples.worlds, beta=1.0, kind="rank")
+    assert float(last) < float(first)
+    assert after["policy_accuracy"] > before["policy_accuracy"]
+    assert after["couple_accuracy"] > before["couple_accuracy"]

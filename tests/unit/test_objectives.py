@@ -190,6 +190,20 @@ def test_couple_contrast_by_hand():
     assert torch.equal(shift.grad, torch.zeros(2))
 
 
+def test_pairwise_rank_loss_by_hand():
+    from icrl_core.objectives import pairwise_rank_loss
+
+    # margins log pi(w) - log pi(l): 2.0 - 1.0 = 1 and -3.0 - (-1.0) = -2; beta 0.5 -> log(1 + e^-0.5), log(1 + e^1)
+    chosen, rejected = T([2.0, -3.0]), T([1.0, -1.0])
+    expected = (math.log1p(math.exp(-0.5)) + math.log1p(math.exp(1.0))) / 2
+    assert pairwise_rank_loss(chosen, rejected, 0.5).item() == pytest.approx(expected, abs=1e-6)
+    # the pair ranked wrong carries the larger gradient: sigmoid(-beta margin) * beta / P
+    chosen.requires_grad_(True)
+    pairwise_rank_loss(chosen, rejected, 0.5).backward()
+    assert chosen.grad.tolist() == pytest.approx([-0.5 * torch.sigmoid(T(-0.5)).item() / 2,
+                                                 -0.5 * torch.sigmoid(T(1.0)).item() / 2], abs=1e-6)
+
+
 def test_distillation_rewards_by_hand():
     from icrl_core.objectives import distillation_rewards
 

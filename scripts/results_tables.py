@@ -363,12 +363,16 @@ def stream_rl_gate() -> str:
     boot = results["bootstrap_probe"]
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
     after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step",
-             "7": " after setting 6's 20, fresh draws", "8": " after setting 7's 40, opaque labels renamed per stream"}
-    for name, s in sorted(results["settings"].items()):
+             "7": " after setting 6's 20, fresh draws", "8": " after setting 7's 40, opaque labels renamed per stream",
+             "9": " after setting 7's 40, fresh draws", "10a": " after setting 9's 20, fresh draws",
+             "10b": " after setting 9's 20, opaque labels renamed per stream"}
+    loss_names = {"dpo": "DPO", "contrast": "contrast loss", "rank": "rank loss"}
+    for name, s in results["settings"].items():  # in setting order (collect.py writes them so)
         v = s["validation_training_tasks"]
         label = f"{s['iterations']} iterations" + after.get(name, "")
-        if "val_couple_accuracy" in v:  # settings 4-8 (PREREGISTERED.md addenda 4, 5, 7-9)
-            label += ", DPO on hindsight couples" if name == "4" else ", contrast loss on hindsight couples"
+        if "val_couple_accuracy" in v:  # settings 4-10 (PREREGISTERED.md addenda 4, 5, 7-10)
+            loss = s.get("hindsight_loss", "dpo" if name == "4" else "contrast")  # recorded from setting 9 on
+            label += f", {loss_names[loss]} on hindsight couples"
         stream = (f"{v['val_reward'][0]:.2f} -> {v['val_reward'][1]:.2f}; switch {v['val_switch_after_wrong'][0]:.2f}"
                   f" -> {v['val_switch_after_wrong'][1]:.2f}")
         if "val_couple_accuracy" in v:  # 0 for a feedback-blind policy

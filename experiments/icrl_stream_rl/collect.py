@@ -50,12 +50,22 @@ def validation(run_dir: Path) -> tuple[int, dict]:
     return metrics["step"], {key: [metrics[f"{name}_before"], metrics[name]] for key, name in pairs.items()}
 
 
-def setting_row(run_dir: Path, probe: Path, description: str | None = None) -> dict:
+def setting_row(run_dir: Path, probe: Path, description: str | None = None, loss: str | None = None) -> dict:
     iterations, values = validation(run_dir)
+    if loss == "rank" and "val_hindsight_margin" in values:
+        # the rank loss logs beta x the margin per pair; a couple's contrast m is the sum of its two pairs' margins
+        values["val_hindsight_margin"] = [2 * x for x in values["val_hindsight_margin"]]
     row = probe_row(probe)
     gap = row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"]
     return {"run": description or str(run_dir), "iterations": iterations, "validation_training_tasks": values,
-            "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN}
+            "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN,
+            **({"hindsight_loss": loss} if loss else {})}
+
+
+def setting_order(name: str) -> tuple[int, str]:
+    """'2' < '10a': settings sort by their number, then their letter."""
+    digits = name.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(digits), name[len(digits):]
 
 
 def main() -> None:
@@ -64,18 +74,22 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[], help="NAME=RUN_DIR:PROBE_JSON")
     parser.add_argument("--describe", action="append", default=[],
                         help="NAME=TEXT: what the setting's run was (results.json `run`; default: RUN_DIR)")
+    parser.add_argument("--hindsight-loss", action="append", default=[],
+                        help="NAME=KIND: the setting's dpo.hindsight_loss (rank: its margin is logged per pair)")
     args = parser.parse_args()
     out = HERE / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
     if args.bootstrap_probe:
         results["bootstrap_probe"] = probe_row(args.bootstrap_probe)
     descriptions = dict(item.split("=", 1) for item in args.describe)
+    losses = dict(item.split("=", 1) for item in args.hindsight_loss)
     for item in args.setting:
         name, paths = item.split("=", 1)
         run_dir, probe = paths.split(":", 1)
-        results["settings"][name] = setting_row(Path(run_dir), Path(probe), descriptions.get(name))
+        results["settings"][name] = setting_row(Path(run_dir), Path(probe), descriptions.get(name), losses.get(name))
+    results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
     out.write_text(json.dumps(results, indent=2) + "\n")
-    for name, s in sorted(results["settings"].items()):
+    for name, s in results["settings"].items():
         print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> gate 1 {'passed' if s['gate1_passed'] else 'failed'}")
 
 

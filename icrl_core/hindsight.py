@@ -34,7 +34,7 @@ with pi_ref the policy with its adapters disabled. Or (`dpo.hindsight_loss: cont
 couple, `objectives.couple_contrast_loss`: m = margin(real) + margin(renamed), L = -log sigmoid(beta m). Or
 (`rank`) reference-free, per pair, `objectives.pairwise_rank_loss`: L = -log sigmoid(beta margin) in each world,
 satisfied only when each world ranks its own right answer first; the world ranked wrong (for a copying policy,
-the one whose feedback marks the copied label wrong) carries the gradient. With
+the one whose feedback marks the copied label wrong) carries the gradient. Or (`rank_contrast`) the sum of the two. With
 a reference other than the start policy the DPO pairs of a couple are not symmetric (h starts away from 0 where
 the start policy's preference differs from the reference's), so the DPO gradient also moves the preference both
 worlds share; the contrast moves only the feedback's effect. The node's input is in the stream's token sequence only when
@@ -224,7 +224,8 @@ def couple_loss(policy, worlds: Sequence[World], beta: float, kind: str = "dpo"
     pairs with h > 0. kind "contrast": `objectives.couple_contrast_loss`, no reference pass; margin = beta m per
     couple (counted for both its pairs), accuracy = pairs of couples with m > 0. kind "rank":
     `objectives.pairwise_rank_loss` on every pair, no reference pass; margin = beta (log pi(chosen) -
-    log pi(rejected)) per pair, accuracy = policy_accuracy."""
+    log pi(rejected)) per pair, accuracy = policy_accuracy. kind "rank_contrast": the rank loss plus the
+    contrast loss, counted as rank."""
     logp_w, logp_l = decision_logps(policy, worlds)
     real_index, renamed_index, start = [], [], 0
     for real in worlds[0::2]:  # worlds come as (real, renamed) pairs whose decisions are aligned
@@ -244,8 +245,12 @@ def couple_loss(policy, worlds: Sequence[World], beta: float, kind: str = "dpo"
         loss = couple_contrast_loss(margins[real_index], margins[renamed_index], beta)
         m = (margins[real_index] + margins[renamed_index]).detach()
         margin, accuracy = float(2 * beta * m.sum()), float(2 * (m > 0).sum())
-    elif kind == "rank":
+    elif kind in ("rank", "rank_contrast"):
         loss = pairwise_rank_loss(logp_w, logp_l, beta)
+        if kind == "rank_contrast":  # the contrast keeps the feedback's effect growing while the rank term
+            # removes the preference both worlds share (setting 9 alone shrank both: PREREGISTERED.md addendum 11)
+            margins = logp_w - logp_l
+            loss = loss + couple_contrast_loss(margins[real_index], margins[renamed_index], beta)
         margins = (logp_w - logp_l).detach()
         margin, accuracy = float(beta * margins.sum()), float((margins > 0).sum())
     else:

@@ -52,7 +52,7 @@ def validation(run_dir: Path) -> tuple[int, dict]:
 
 def setting_row(run_dir: Path, probe: Path, description: str | None = None, loss: str | None = None) -> dict:
     iterations, values = validation(run_dir)
-    if loss == "rank" and "val_hindsight_margin" in values:
+    if loss in ("rank", "rank_contrast") and "val_hindsight_margin" in values:
         # the rank loss logs beta x the margin per pair; a couple's contrast m is the sum of its two pairs' margins
         values["val_hindsight_margin"] = [2 * x for x in values["val_hindsight_margin"]]
     row = probe_row(probe)

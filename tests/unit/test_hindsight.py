@@ -188,3 +188,13 @@ def test_the_rank_loss_counts_every_pair_and_ranks_the_right_answer_first(policy
     assert float(last) < float(first)
     assert after["policy_accuracy"] > before["policy_accuracy"]
     assert after["couple_accuracy"] > before["couple_accuracy"]
+
+
+def test_rank_contrast_is_the_sum_of_the_rank_and_contrast_losses(policy, streams):
+    couples = hindsight_couples(streams, policy.tokens, [random.Random(i) for i in range(len(streams))])
+    with torch.no_grad():
+        both, counts = couple_loss(policy, couples.worlds, beta=0.5, kind="rank_contrast")
+        rank, rank_counts = couple_loss(policy, couples.worlds, beta=0.5, kind="rank")
+        contrast, _ = couple_loss(policy, couples.worlds, beta=0.5, kind="contrast")
+    assert float(both) == pytest.approx(float(rank) + float(contrast), abs=1e-5)
+    assert counts == rank_counts

@@ -14,7 +14,11 @@ A model that reads the feedback moves away from a label its context marks wrong 
 right-marked context pulls it to `target`); a model that copies its previous answers gives `target` the same
 probability either way (effect near 0). The second case predicts the collapse of naive in-context RL: once a
 few attempts give one label, the model keeps giving it, however often it is told it is wrong. n = 0 (no
-context) is the baseline. Mean p(gold) is reported beside each condition.
+context) is the baseline. Mean p(gold) is reported beside each condition, and each query's p(target).
+
+The effect's 95% interval is a paired percentile bootstrap over the queries (`effect_interval`): the same
+queries and attempts appear in both conditions, so what is resampled is each query's difference
+p(target | right) - p(target | wrong).
 
 Costs one forward pass per query and condition over a cached context (a few seconds per 40 queries for
 SmolLM2-135M on a CPU core).
@@ -78,11 +82,23 @@ def past_attempts(pool: Sequence[Example], target: str, condition: Condition, qu
             for step, e in enumerate(past)]
 
 
+def effect_interval(right: Sequence[float], wrong: Sequence[float], seed: int, resamples: int = 2000,
+                    level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(right - wrong), resampling queries (pairs) with replacement.
+    right, wrong: (Q,) each query's p(target) under the two feedbacks."""
+    diffs = np.asarray(right, dtype=np.float64) - np.asarray(wrong, dtype=np.float64)   # (Q,)
+    draws = np.random.default_rng(seed).integers(0, len(diffs), size=(resamples, len(diffs)))
+    means = diffs[draws].mean(axis=1)                                                    # (resamples,)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
+
+
 def feedback_sensitivity(predictor: Predictor, task: ClassificationTask, target: str,
                          counts: Sequence[int] = (1, 4), n_queries: int = 40, seed: int = 0,
                          on_query: Callable[[], None] | None = None) -> dict:
-    """The probe (module docstring): per condition the mean p(target) and p(gold) over the queries, and per
-    n > 0 the feedback effect. `on_query` is called after each (query, condition) pair (progress bars)."""
+    """The probe (module docstring): per condition the mean p(target) and p(gold) over the queries and each
+    query's p(target), and per n > 0 the feedback effect and its 95% interval. `on_query` is called after each
+    (query, condition) pair (progress bars)."""
     queries, pool = probe_examples(task, target, n_queries, seed)
     target_index = task.labels.index(target)
     results: dict[str, dict] = {}
@@ -97,11 +113,16 @@ def feedback_sensitivity(predictor: Predictor, task: ClassificationTask, target:
             if on_query:
                 on_query()
         results[condition.name] = {**asdict(condition), "p_target": float(np.mean(p_target)),
-                                   "p_gold": float(np.mean(p_gold)), "queries": len(queries)}
+                                   "p_gold": float(np.mean(p_gold)), "queries": len(queries),
+                                   "p_target_per_query": p_target}
+    attempt_counts = sorted(set(counts) - {0})
     effect = {str(n): results[f"n{n}_right"]["p_target"] - results[f"n{n}_wrong"]["p_target"]
-              for n in sorted(set(counts) - {0})}
+              for n in attempt_counts}
+    interval = {str(n): effect_interval(results[f"n{n}_right"]["p_target_per_query"],
+                                        results[f"n{n}_wrong"]["p_target_per_query"], seed)
+                for n in attempt_counts}
     return {"task": task.name, "target": target, "queries": len(queries), "seed": seed, "conditions": results,
-            "feedback_effect": effect}
+            "feedback_effect": effect, "feedback_effect_ci95": interval}
 
 
 def probe_size(counts: Sequence[int], n_queries: int) -> int:

@@ -298,8 +298,9 @@ def register(app: typer.Typer) -> None:
             table.add_row(name, f"{row['p_target']:.3f}", f"{row['p_gold']:.3f}")
         out = console()
         out.print(table)
-        out.print("feedback effect p(right) - p(wrong): " + ", ".join(
-            f"n={n}: {effect:+.3f}" for n, effect in result["feedback_effect"].items()))
+        out.print("feedback effect p(right) - p(wrong) [95% interval over queries]: " + ", ".join(
+            f"n={n}: {effect:+.3f} [{result['feedback_effect_ci95'][n][0]:+.3f}, "
+            f"{result['feedback_effect_ci95'][n][1]:+.3f}]" for n, effect in result["feedback_effect"].items()))
         if output is not None:
             out.print(f"wrote {output}")
 

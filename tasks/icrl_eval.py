@@ -504,6 +504,8 @@ def _track_probe(config: PipelineConfig, result: dict, output: Path | None) -> N
         metrics = {f"{key}_{name}": row[key] for name, row in result["conditions"].items()
                    for key in ("p_target", "p_gold")}
         metrics |= {f"feedback_effect_n{n}": effect for n, effect in result["feedback_effect"].items()}
+        metrics |= {f"feedback_effect_n{n}_ci95_{side}": bound for n, bounds in result["feedback_effect_ci95"].items()
+                    for side, bound in zip(("low", "high"), bounds)}
         tracker.log_metrics(metrics)
         if not tracker.enabled:
             return

@@ -38,7 +38,10 @@ def test_cli_writes_the_probe_and_rejects_a_bad_target(tmp_path):
         assert 0 <= row["p_target"] <= 1 and 0 <= row["p_gold"] <= 1
     assert result["feedback_effect"]["2"] == pytest.approx(
         result["conditions"]["n2_right"]["p_target"] - result["conditions"]["n2_wrong"]["p_target"])
-    assert "feedback effect" in out.stdout
+    low, high = result["feedback_effect_ci95"]["2"]  # paired bootstrap over the 3 queries' differences
+    assert low <= result["feedback_effect"]["2"] <= high
+    assert all(len(row["p_target_per_query"]) == 3 for row in result["conditions"].values())
+    assert "feedback effect" in out.stdout and "95% interval" in out.stdout
 
     import mlflow  # the probe is an MLflow run too (sqlite store in the working directory)
 
@@ -46,6 +49,7 @@ def test_cli_writes_the_probe_and_rejects_a_bad_target(tmp_path):
     (run,) = mlflow.search_runs(experiment_names=["icrl"], output_format="list")
     assert run.data.tags["icrl.stage"] == "probe_feedback" and run.data.params["probe.target"] == labels[0]
     assert run.data.metrics["feedback_effect_n2"] == pytest.approx(result["feedback_effect"]["2"])
+    assert run.data.metrics["feedback_effect_n2_ci95_low"] == pytest.approx(low)
     assert run.data.metrics["p_target_n0"] == pytest.approx(result["conditions"]["n0"]["p_target"])
     artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "probe_feedback")]
     assert artifacts == ["probe_feedback/probe.json"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from icrl_core.errors import UserError
-from icrl_core.feedback_probe import NAIVE_SHOW, Condition, conditions, past_attempts, probe_examples
+from icrl_core.feedback_probe import NAIVE_SHOW, Condition, conditions, effect_interval, past_attempts, probe_examples
 from icrl_core.icrl_eval import Predictor, decode_rng, label_distribution, render_context
 from icrl_core.kernels import PrefixCache
 from icrl_core.task_data import keyword_map
@@ -44,3 +44,13 @@ def test_probe_contexts_differ_only_in_feedback():
     assert {r.feedback for r in wrong} == {0} and {r.feedback for r in right} == {1}
     with pytest.raises(UserError, match="not a label"):
         probe_examples(task, "no-such-label", 10, 0)
+
+
+def test_effect_interval_is_a_paired_bootstrap_over_queries():
+    right, wrong = [0.9, 0.8, 0.7, 0.6], [0.5, 0.5, 0.5, 0.5]          # differences 0.4, 0.3, 0.2, 0.1
+    low, high = effect_interval(right, wrong, seed=0)
+    assert 0.1 <= low < 0.25 < high <= 0.4                             # around the mean 0.25, within the range
+    assert effect_interval(right, wrong, seed=0) == (low, high)        # seeded
+    # a shift shared by both conditions (the same query easier in both) leaves the paired interval unchanged
+    assert effect_interval([r + 0.05 for r in right], [w + 0.05 for w in wrong], seed=0) == pytest.approx((low, high))
+    assert effect_interval([0.3] * 5, [0.3] * 5, seed=1) == (0.0, 0.0)

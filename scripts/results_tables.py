@@ -379,13 +379,17 @@ def stream_rl_gate() -> str:
             stream += f"; couples both right {v['val_couple_accuracy'][0]:.2f} -> {v['val_couple_accuracy'][1]:.2f}"
         if "val_hindsight_margin" in v:  # mean contrast m per couple (beta 1)
             stream += f"; contrast m {v['val_hindsight_margin'][0]:.2f} -> {v['val_hindsight_margin'][1]:.2f}"
+        gap = _signed(s["gate1_gap"])
+        if "gap_ci95" in s["probe"]:  # 95% paired bootstrap interval over the probe's queries
+            gap += " [" + ", ".join(_signed(x) for x in s["probe"]["gap_ci95"]) + "]"
         rows.append([f"setting {name} ({label})", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
-                     _signed(s["gate1_gap"]), "passed" if s["gate1_passed"] else "failed", stream])
+                     gap, "passed" if s["gate1_passed"] else "failed", stream])
     return (_table([f"p(`{boot['target']}`) on {boot['task']}", "no context", "1 attempt marked wrong",
                     "1 marked right", "4 marked wrong", "4 marked right", "right - wrong (n=1)",
                     f"gate 1 (>= {results['gate1_margin']})", "validation streams of the training tasks: reward"],
                    rows)
-            + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}.\n")
+            + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}; [interval]: 95% paired bootstrap "
+            "over the queries (probes from setting 9 on; earlier ones stored only means).\n")
 
 
 def stream_rl_learnability() -> str:

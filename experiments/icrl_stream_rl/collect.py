@@ -31,7 +31,10 @@ def probe_row(path: Path) -> dict:
     row = {c: round(probe["conditions"][c]["p_target"], 4) for c in CONTEXTS}
     return {"target": probe["target"], "task": probe["task"], "queries": probe["queries"], "seed": probe["seed"],
             "dtype": probe["dtype"], "p_target": row, "p_gold": {c: round(probe["conditions"][c]["p_gold"], 4)
-                                                                    for c in CONTEXTS}}
+                                                                    for c in CONTEXTS},
+            # the one-attempt effect's paired bootstrap interval over queries (probes run from 2026-11-26 14:45 on)
+            **({"gap_ci95": [round(x, 4) for x in probe["feedback_effect_ci95"]["1"]]}
+               if "feedback_effect_ci95" in probe else {})}
 
 
 def validation(run_dir: Path) -> tuple[int, dict]:
@@ -86,7 +89,9 @@ def main() -> None:
     for item in args.setting:
         name, paths = item.split("=", 1)
         run_dir, probe = paths.split(":", 1)
-        results["settings"][name] = setting_row(Path(run_dir), Path(probe), descriptions.get(name), losses.get(name))
+        # keys added by hand (wall, intermediate validations) survive a re-collect
+        results["settings"][name] = {**results["settings"].get(name, {}),
+                                     **setting_row(Path(run_dir), Path(probe), descriptions.get(name), losses.get(name))}
     results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
     out.write_text(json.dumps(results, indent=2) + "\n")
     for name, s in results["settings"].items():

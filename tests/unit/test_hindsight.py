@@ -32,10 +32,11 @@ def policy():
     from icrl_core.model import load_policy
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
+    generator = torch.Generator().manual_seed(0)  # the global generator's state differs between processes
     with torch.no_grad():  # a non-zero adapter, so the policy differs from the reference
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
-                param.normal_(std=0.05)
+                param.normal_(std=0.05, generator=generator)
     return policy
 
 
@@ -146,45 +147,40 @@ def test_context_rendering_is_the_harness_view(policy, streams):
         assert ids[:starts[t]] == prompt
 
 
-def test_the_contrast_loss_is_blind_to_the_shared_preference_and_teaches_the_contrast(policy, streams):
-    """hindsight_loss contrast (no reference pass): it counts both pairs of each couple, and AdamW steps on it
-    lower it and raise the couples with both pairs right (that it has no gradient on the preference the two
-    worlds share: tests/unit/test_objectives.py)."""
+def train_on_couples(policy, streams, kind: str, beta: float, steps: int = 20):
+    """(couples, loss and counts before, loss and counts after) `steps` AdamW steps of couple_loss(kind) on a copy
+    of the policy."""
     import copy
 
     trained = copy.deepcopy(policy)
     couples = hindsight_couples(streams, trained.tokens, [random.Random(i) for i in range(len(streams))])
     optimizer = torch.optim.AdamW(trained.trainable_parameters(), lr=2e-2)
-    first, before = couple_loss(trained, couples.worlds, beta=0.1, kind="contrast")
-    assert before["pairs"] == 2 * couples.couples
-    for _ in range(20):
+    before = couple_loss(trained, couples.worlds, beta=beta, kind=kind)
+    for _ in range(steps):
         optimizer.zero_grad()
-        loss, _ = couple_loss(trained, couples.worlds, beta=0.1, kind="contrast")
+        loss, _ = couple_loss(trained, couples.worlds, beta=beta, kind=kind)
         loss.backward()
         optimizer.step()
-    last, after = couple_loss(trained, couples.worlds, beta=0.1, kind="contrast")
+    return couples, before, couple_loss(trained, couples.worlds, beta=beta, kind=kind)
+
+
+def test_the_contrast_loss_is_blind_to_the_shared_preference_and_teaches_the_contrast(policy, streams):
+    """hindsight_loss contrast (no reference pass): it counts both pairs of each couple, and AdamW steps on it
+    lower it and raise the couples with both pairs right (that it has no gradient on the preference the two
+    worlds share: tests/unit/test_objectives.py)."""
+    couples, (first, before), (last, after) = train_on_couples(policy, streams, "contrast", beta=0.1)
+    assert before["pairs"] == 2 * couples.couples
     assert float(last) < float(first)
     assert after["couple_accuracy"] > before["couple_accuracy"]
     with pytest.raises(ValueError):
-        couple_loss(trained, couples.worlds, beta=0.1, kind="other")
+        couple_loss(policy, couples.worlds, beta=0.1, kind="other")
 
 
 def test_the_rank_loss_counts_every_pair_and_ranks_the_right_answer_first(policy, streams):
     """hindsight_loss rank (no reference pass): margin and accuracy per pair; AdamW steps on it raise the share of
     pairs whose chosen answer is ranked first and the couples with both pairs right."""
-    import copy
-
-    trained = copy.deepcopy(policy)
-    couples = hindsight_couples(streams, trained.tokens, [random.Random(i) for i in range(len(streams))])
-    optimizer = torch.optim.AdamW(trained.trainable_parameters(), lr=2e-2)
-    first, before = couple_loss(trained, couples.worlds, beta=1.0, kind="rank")
+    couples, (first, before), (last, after) = train_on_couples(policy, streams, "rank", beta=1.0)
     assert before["pairs"] == 2 * couples.couples and before["accuracy"] == before["policy_accuracy"]
-    for _ in range(20):
-        optimizer.zero_grad()
-        loss, _ = couple_loss(trained, couples.worlds, beta=1.0, kind="rank")
-        loss.backward()
-        optimizer.step()
-    last, after = couple_loss(trained, couples.worlds, beta=1.0, kind="rank")
     assert float(last) < float(first)
     assert after["policy_accuracy"] > before["policy_accuracy"]
     assert after["couple_accuracy"] > before["couple_accuracy"]

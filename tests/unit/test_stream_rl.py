@@ -109,10 +109,11 @@ def test_skipped_passes_give_the_same_advantages(policy):
     from icrl_core.streams import collate_streams
 
     fresh(policy)
+    generator = torch.Generator().manual_seed(0)  # the global generator's state differs between processes
     with torch.no_grad():  # a policy that differs from its reference
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
-                param.normal_(std=0.05)
+                param.normal_(std=0.05, generator=generator)
     fast = PPOConfig(mode="stream", objective={"kind": "grpo"}, stream={"steps": 3, "group_size": 3, "groups": 2},
                      epochs=1, kl_beta=0.0)
     streams = roll_out(policy, resolve_sources(DATA, 0), DATA, fast, 0, 1, range(2), "train", 2048)

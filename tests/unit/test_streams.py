@@ -34,10 +34,11 @@ def policy():
     from icrl_core.model import load_policy
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+    generator = torch.Generator().manual_seed(0)  # the global generator's state differs between processes
     with torch.no_grad():  # a non-zero adapter, so the policy differs from the reference
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
-                param.normal_(std=0.05)
+                param.normal_(std=0.05, generator=generator)
     return policy
 
 

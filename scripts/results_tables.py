@@ -389,7 +389,7 @@ def stream_rl_gate() -> str:
                     f"gate 1 (>= {results['gate1_margin']})", "validation streams of the training tasks: reward"],
                    rows)
             + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}; [interval]: 95% paired bootstrap "
-            "over the queries (settings 4, 5 and 9, whose probes were rerun with per-query numbers: same means; the others stored only means).\n")
+            "over the queries (settings 4-8 rerun with per-query numbers: same means; settings 1-3 stored only means).\n")
 
 
 def stream_rl_learnability() -> str:

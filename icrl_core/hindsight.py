@@ -246,13 +246,12 @@ def couple_loss(policy, worlds: Sequence[World], beta: float, kind: str = "dpo"
         m = (margins[real_index] + margins[renamed_index]).detach()
         margin, accuracy = float(2 * beta * m.sum()), float(2 * (m > 0).sum())
     elif kind in ("rank", "rank_contrast"):
+        margins = logp_w - logp_l
         loss = pairwise_rank_loss(logp_w, logp_l, beta)
         if kind == "rank_contrast":  # the contrast keeps the feedback's effect growing while the rank term
             # removes the preference both worlds share (setting 9 alone shrank both: PREREGISTERED.md addendum 11)
-            margins = logp_w - logp_l
             loss = loss + couple_contrast_loss(margins[real_index], margins[renamed_index], beta)
-        margins = (logp_w - logp_l).detach()
-        margin, accuracy = float(beta * margins.sum()), float((margins > 0).sum())
+        margin, accuracy = float(beta * margins.detach().sum()), float((margins > 0).sum())
     else:
         raise ValueError(f"unknown hindsight loss {kind!r}")
     right = (logp_w > logp_l).detach()

@@ -29,6 +29,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name in LAST_MODULES)  # a stable sort
 
 
+def perturb_lora_b(policy, std: float, seed: int = 0) -> None:
+    """Draw every LoRA B matrix of `policy` from N(0, std^2), so its adapter is non-zero (the policy differs from
+    its reference). From a seeded generator: this torch build seeds its global one differently in every process."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std, generator=generator)
+
+
 @pytest.fixture(scope="session")
 def tasks_dir() -> Path:
     assert TASKS_DIR.is_dir(), f"test data not found at {TASKS_DIR}"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tasks.evaluate import run_evaluations
 from tasks.settings import load_config, with_overrides
+from tests.conftest import perturb_lora_b
 from tests.unit.test_evaluate_stage import _configs
 
 
@@ -183,12 +184,7 @@ def test_the_adapter_training_started_from_is_evaluated_alike_and_gated(in_tmp):
                          environ={})
     for name, seed in (("start", 1), ("rl", 2)):
         policy = policy_from_config(config.model.model_copy(update={"adapter": LoraAdapter(rank=4)}), seed=seed)
-        torch = __import__("torch")
-        generator = torch.Generator().manual_seed(seed)  # the global generator's state differs between processes
-        with torch.no_grad():
-            for param_name, param in policy.model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(std=0.5, generator=generator)
+        perturb_lora_b(policy, std=0.5, seed=seed)
         policy.save_adapter(in_tmp / name)
     metrics = stage.run(config)
     assert {"start_explorative_final_test_accuracy", "start_final_test_accuracy", "gain_over_start"} <= set(metrics)

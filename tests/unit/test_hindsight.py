@@ -23,6 +23,7 @@ from icrl_core.hindsight import (
 )
 from icrl_core.icrl_eval import EpisodeRecord, render_context, render_query
 from icrl_core.streams import STREAM_VIEW, generate_streams, sample_stream_task, stream_rng
+from tests.conftest import perturb_lora_b
 
 STEPS = 8
 
@@ -32,11 +33,7 @@ def policy():
     from icrl_core.model import load_policy
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
-    generator = torch.Generator().manual_seed(0)  # the global generator's state differs between processes
-    with torch.no_grad():  # a non-zero adapter, so the policy differs from the reference
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.05, generator=generator)
+    perturb_lora_b(policy, std=0.05)
     return policy
 
 

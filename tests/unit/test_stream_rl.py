@@ -14,6 +14,7 @@ from icrl_core.dataset_build import resolve_sources
 from icrl_core.objectives import OBJECTIVE_KINDS
 from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head
 from icrl_core.stream_rl import group_step_advantages, step_sums, stream_step
+from tests.conftest import perturb_lora_b
 
 T = torch.tensor
 DATA = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)
@@ -109,11 +110,7 @@ def test_skipped_passes_give_the_same_advantages(policy):
     from icrl_core.streams import collate_streams
 
     fresh(policy)
-    generator = torch.Generator().manual_seed(0)  # the global generator's state differs between processes
-    with torch.no_grad():  # a policy that differs from its reference
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.05, generator=generator)
+    perturb_lora_b(policy, std=0.05)
     fast = PPOConfig(mode="stream", objective={"kind": "grpo"}, stream={"steps": 3, "group_size": 3, "groups": 2},
                      epochs=1, kl_beta=0.0)
     streams = roll_out(policy, resolve_sources(DATA, 0), DATA, fast, 0, 1, range(2), "train", 2048)

@@ -25,6 +25,7 @@ from icrl_core.streams import (
     stream_rng,
     teacher_logprobs,
 )
+from tests.conftest import perturb_lora_b
 
 STEPS = 6
 
@@ -34,11 +35,7 @@ def policy():
     from icrl_core.model import load_policy
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
-    generator = torch.Generator().manual_seed(0)  # the global generator's state differs between processes
-    with torch.no_grad():  # a non-zero adapter, so the policy differs from the reference
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.05, generator=generator)
+    perturb_lora_b(policy, std=0.05)
     return policy
 
 

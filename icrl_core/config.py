@@ -241,11 +241,12 @@ class OptimFields(Section):
 
 
 class ReplayConfig(Section):
-    """General-chat replay during the bootstrap (icrl_core/replay.py): a KL(policy || base) term on plain chats
-    whose replies the base model sampled, so training the in-context RL format leaves ordinary replies alone."""
+    """General-chat replay during the bootstrap or dpo stage (icrl_core/replay.py): a KL(policy || reference)
+    term on plain chats whose replies the base model sampled, so training the in-context RL format leaves
+    ordinary replies alone. The reference is the base model (dpo with reference=start: the start adapter)."""
 
     beta: Annotated[float, Field(ge=0, description="Weight of the replay KL term (token mean over reply "
-                                 "positions) added to each bootstrap step; 0 turns replay off.")] = 0.0
+                                 "positions) added to each training step; 0 turns replay off.")] = 0.0
     tasks: Annotated[list[str], Field(min_length=1, description="Tasks whose *training* texts become the replay "
                                       "chats' user turns (never put a held-out task here).")] = Field(
         default_factory=lambda: ["banking77", "clinc150"])
@@ -544,6 +545,9 @@ class DPOConfig(OptimFields):
     temperature: Annotated[float, Field(gt=0, description="Sampling temperature of the mined streams.")] = 1.0
     max_eval_pairs: Annotated[int | None, Field(ge=1, description="Validation (preferred, rejected) pairs of the "
                                                 "val split used at each evaluation (the first N; empty = all).")] = 128
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="General-chat replay added to each "
+                                 "step (off by default: beta 0); the chats are the bootstrap's when the settings "
+                                 "match (one cache, .icrl/replay).")
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, metrics, curves).")] = Path(
         "artifacts/dpo"
     )

@@ -35,7 +35,17 @@ from icrl_core import distributed
 from icrl_core.batching import chunks, pad_sequences
 from icrl_core.errors import UserError
 from icrl_core.objectives import dpo_loss, ipo_loss
-from icrl_core.supervised import Pair, _check_world, _combine, apply_update, batch_indices, make_scheduler
+from icrl_core.supervised import (
+    Pair,
+    _check_world,
+    _combine,
+    apply_update,
+    batch_indices,
+    evaluate_replay,
+    make_scheduler,
+    replay_enabled,
+    replay_step,
+)
 from icrl_core.training_loop import Schedule, Trainer, run_loop
 
 
@@ -195,14 +205,18 @@ def evaluate_couples(policy, sources, data, cfg, seed: int, max_tokens: int) -> 
 
 
 def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cfg, seed: int, runtime,
-              stream_sources=None, max_tokens: int = 2048, code=None) -> tuple[dict, list[dict]]:
+              stream_sources=None, max_tokens: int = 2048, code=None,
+              replay: tuple[Sequence, Sequence] | None = None) -> tuple[dict, list[dict]]:
     """DPO/IPO (config `dpo`) on the shared loop: AdamW on the policy's trainable weights, each step the
     (mean) loss over `batch_size * grad_accum` episode pairs (when `cfg.episode_pairs`) plus the pairs mined from
     this step's streams (when `cfg.mine_streams`; `stream_sources` = (resolved data.sources, data config)), their
     hindsight couples (when `cfg.mine_hindsight`) and the pairs of this step's code-task completions (when `cfg.mine_code`; `code` = the pipeline's `code` section),
     gradient clipping, the warm-up schedule; evaluation on `val_pairs` (and greedy pass@1 on `cfg.code.eval_tasks`
-    held-out code tasks) every eval_steps, checkpoints every save_steps and after the last step. Returns (last
-    step's metrics, every step's metrics)."""
+    held-out code tasks) every eval_steps, checkpoints every save_steps and after the last step. With `replay` =
+    (train, validation) general-chat replay chats (icrl_core/replay.py) and `cfg.replay.beta` > 0, each step adds
+    the bootstrap's replay term (`supervised.replay_step`: KL to the reference policy on the base model's own
+    replies; the pair losses have no term that holds free-form replies) and each evaluation its validation KL.
+    Returns (last step's metrics, every step's metrics)."""
     params = policy.trainable_parameters()
     if not params:
         raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")
@@ -230,6 +244,7 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
     val_pairs = list(val_pairs)[: cfg.max_eval_pairs]
     global_batch = cfg.batch_size * cfg.grad_accum
     world = _check_world(global_batch) if cfg.episode_pairs else distributed.world_size()
+    replay_on = replay_enabled(replay, cfg.replay)
 
     def step(number: int) -> dict[str, float]:
         began = time.perf_counter()
@@ -273,6 +288,10 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
                                   "policy": out.get("hindsight_policy_accuracy", 0.0),
                                   "couples": out.get("hindsight_couple_accuracy", 0.0),
                                   "skipped": float(couples.skipped)})
+        if replay_on:
+            out = replay_step(policy, replay[0], cfg.replay, seed, number, cfg.batch_size, world)
+            sums["replay_kl"] = out["replay_kl"]
+            sums["tokens"] += out["tokens"]
         metrics = apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
         metrics["pairs"] = float(n_pairs)
         if cfg.mine_streams:
@@ -293,6 +312,8 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
         metrics = evaluate_preferences(policy, val_pairs, cfg) if val_pairs else {}
         if hindsight_eval:
             metrics.update(evaluate_couples(policy, *stream_sources, cfg, seed, max_tokens))
+        if replay_on and len(replay[1]) > 0:
+            metrics.update(evaluate_replay(policy, replay[1], cfg.batch_size))
         if eval_tasks:
             metrics.update(code_rl.evaluate_greedy(policy, eval_tasks, task_set.shot, code, cfg.code.max_new_tokens,
                                                    max_tokens, cfg.batch_size))
@@ -300,14 +321,15 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
 
     trainer = Trainer(step, optimizer, scheduler, params, policy.trainable_state_dict,
                       lambda tensors: policy.load_trainable_state_dict(tensors, "checkpoint"),
-                      evaluate if val_pairs or eval_tasks or hindsight_eval else None)
+                      evaluate if val_pairs or eval_tasks or hindsight_eval or (replay_on and len(replay[1]) > 0)
+                      else None)
     schedule = Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps, evaluate_first=True)
     result = run_loop(trainer, schedule, runtime)
     metrics = dict(result.last)
     if result.evals and "val_preference_accuracy" in result.evals[0]:  # the starting weights' (step 0)
         metrics["val_preference_accuracy_before"] = result.evals[0]["val_preference_accuracy"]
     for key in ("val_hindsight_accuracy", "val_couple_accuracy", "val_hindsight_margin", "val_stream_reward",
-                "val_switch_after_wrong"):  # hindsight couples and validation streams before any update
+                "val_switch_after_wrong", "val_replay_kl"):  # couples, streams and replay before any update
         if result.evals and key in result.evals[0]:
             metrics[f"{key}_before"] = result.evals[0][key]
     if result.evals and "val_accuracy" in result.evals[0]:  # code tasks: greedy pass@1 before and after

@@ -6,7 +6,7 @@ Losses (one function each, formula in the docstring):
 - `bradley_terry_loss`:          L = -log sigmoid(r(x, y+) - r(x, y-)).
 - `bootstrap_objective`:         L = (sum_t CE_t + kl_beta * sum_t KL_t) / N_answer_tokens.
 - `replay_objective`:            L_replay = replay_beta * sum_t KL_t / N_reply_tokens over general-chat replies
-                                 (icrl_core/replay.py), added to each bootstrap step when replay is on.
+                                 (icrl_core/replay.py), added to each bootstrap (or dpo) step when replay is on.
 
 Both loops run on the shared training loop (icrl_core/training_loop.py), which talks only to a runtime
 (`tasks/runtime.py`: `report`, `save_checkpoint`, `load_latest_checkpoint`). They are deterministic given the seed: the data order of step s is a pure function of
@@ -239,6 +239,28 @@ def replay_micro_step(policy, batch, replay_beta: float, n_tokens: int, scale: f
     return {"replay_kl": float(kl.detach().sum()) / max(n_tokens, 1) * scale}
 
 
+def replay_step(policy, chats: Sequence, replay_cfg, seed: int, number: int, batch_size: int,
+                world: int) -> dict[str, float]:
+    """Backpropagate step `number`'s replay term: `replay_cfg.per_step` of the replay chats `chats`, drawn from
+    their own seeded order (seed + 1, so turning replay on changes no other draw of the step), in micro-batches of
+    `batch_size`, each `replay_micro_step` weighted by `replay_cfg.beta`. Returns the sums {replay_kl, tokens}
+    (replay_kl scaled by `world` like the other micro-steps' sums)."""
+    pad = policy.tokenizer.pad_token_id
+    drawn = [chats[i] for i in batch_indices(len(chats), seed + 1, number - 1, replay_cfg.per_step)]
+    n_reply = sum(c.reply_tokens for c in drawn)
+    sums = {"replay_kl": 0.0, "tokens": 0.0}
+    for part in chunks(distributed.shard(drawn), batch_size):
+        sums["replay_kl"] += replay_micro_step(policy, pad_replay(part, pad), replay_cfg.beta, n_reply,
+                                               scale=world)["replay_kl"]
+        sums["tokens"] += sum(len(c.input_ids) for c in part)
+    return sums
+
+
+def replay_enabled(replay: tuple[Sequence, Sequence] | None, replay_cfg) -> bool:
+    """Whether a stage given `replay` = (train, validation) chats adds the replay term: beta > 0 and chats."""
+    return replay is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
+
+
 @torch.no_grad()
 def evaluate_replay(policy, sequences, batch_size: int) -> dict:
     """Validation: token-mean KL(pi || pi_base) over the reply positions of held-back replay chats."""
@@ -301,7 +323,7 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
     end, checkpoints every `save_steps` and at the end.
     Returns (metrics of the last step, train + validation; the metrics of every step)."""
     replay_cfg = cfg.replay
-    replay_on = replay is not None and replay_cfg.beta > 0 and len(replay[0]) > 0
+    replay_on = replay_enabled(replay, replay_cfg)
     params = policy.trainable_parameters()
     if not params:
         raise UserError("model.adapter.kind=none leaves nothing to train; use lora or last_blocks")
@@ -325,13 +347,9 @@ def train_bootstrap(policy, train_rows: Sequence[TokenizedEpisode], val_rows: Se
                 sums[key] = sums.get(key, 0.0) + value
             sums["tokens"] += sum(r.length for r in part)
         if replay_on:
-            # Its own stream (seed + 1), so turning replay on does not change which episodes a step reads.
-            chats = [replay[0][i] for i in batch_indices(len(replay[0]), seed + 1, number - 1, replay_cfg.per_step)]
-            n_reply = sum(c.reply_tokens for c in chats)
-            for part in chunks(distributed.shard(chats), cfg.batch_size):
-                out = replay_micro_step(policy, pad_replay(part, pad), replay_cfg.beta, n_reply, scale=world)
-                sums["replay_kl"] = sums.get("replay_kl", 0.0) + out["replay_kl"]
-                sums["tokens"] += sum(len(c.input_ids) for c in part)
+            out = replay_step(policy, replay[0], replay_cfg, seed, number, cfg.batch_size, world)
+            sums["replay_kl"] = out["replay_kl"]
+            sums["tokens"] += out["tokens"]
         return apply_update(params, optimizer, scheduler, cfg.max_grad_norm, sums, world, began)
 
     def evaluate() -> dict[str, float]:

@@ -38,7 +38,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.supervised import episode_pairs, finite
     from icrl_core.tokenized import read_tokenized
     from tasks.runtime import ProgressRuntime
-    from tasks.training import write_history
+    from tasks.training import replay_chats, write_history
 
     cfg = config.dpo
     train, val = [], []
@@ -53,8 +53,9 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         sources = (resolve_sources(config.data, config.seed), config.data)
     policy = policy_from_config(config.model, seed=config.seed, init_adapter=start_adapter(config))
     with ProgressRuntime(runtime, cfg.max_steps, STAGE, ("loss", "margin", "val_preference_accuracy")) as progress:
+        replay = replay_chats(config, policy, runtime.rank, cfg.replay)  # before the reference is frozen
         metrics, history = train_dpo(policy, train, val, cfg, config.seed, progress, sources,
-                                     min(config.data.episode_tokens, policy.context_window), config.code)
+                                     min(config.data.episode_tokens, policy.context_window), config.code, replay)
     if runtime.rank == 0:
         out = Path(cfg.output_dir)
         policy.save_adapter(out / "adapter")
@@ -65,6 +66,8 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
             panels["hindsight couples"] = ["hindsight_accuracy", "couple_accuracy", "val_hindsight_accuracy",
                                            "val_couple_accuracy"]
             panels["implicit reward margin (beta h)"].append("val_hindsight_margin")
+        if cfg.replay.beta > 0:
+            panels["general-chat replay: KL(policy || reference)"] = ["replay_kl", "val_replay_kl"]
         if cfg.mine_code:
             panels["code tasks (sampled; val: greedy, held out)"] = ["task_accuracy", "reward/pass_fraction",
                                                                      "mean_reward", "val_accuracy"]

@@ -1,6 +1,6 @@
 """The stage side of the shared training loop (icrl_core/training_loop.py) for bootstrap, reward_model and ppo:
 the run (MLflow run, launch in-process or on Ray, stage seconds, metrics.json, artifacts, metrics/STAGE.json),
-and the learning-curve files of `dvc plots`.
+the learning-curve files of `dvc plots`, and the general-chat replay chats of bootstrap and dpo (`replay_chats`).
 
     run_training_stage(config, STAGE, train_worker, output_dir, artifacts, headline)
 
@@ -79,3 +79,51 @@ def write_history(folder: Path, history: list[dict], panels: dict[str, list[str]
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
     atomic_write_bytes(folder / "curves.png", buffer.getvalue())
+
+
+# Sampled replay replies, kept outside the stage's DVC out (DVC deletes it before the stage runs, and sampling takes
+# minutes): one file per `replay_key`, so a rerun after a crash, or with other training settings, reuses them.
+REPLAY_CACHE = Path(".icrl") / "replay"
+_REPLAY_SOURCES = ("icrl_core/replay.py", "icrl_core/chat.py", "icrl_core/model.py", "icrl_core/task_data.py")
+
+
+def replay_key(config: PipelineConfig, replay=None) -> str:
+    """What the replay chats of `replay` (default bootstrap.replay; the dpo stage passes dpo.replay) depend on:
+    the base model (its spec and the dtype resolved on this machine; the replies are sampled with the adapters
+    disabled), the seed, the data folder, the replay settings that shape the chats (not beta or per_step, which
+    only weigh them) and the code that samples them. Not the stage: both stages share chats of equal settings."""
+    from icrl_core.model import resolve_dtype
+    from tasks.runtime import content_key
+
+    replay = config.bootstrap.replay if replay is None else replay
+    return content_key({"spec": config.model.spec, "dtype": resolve_dtype(config.model.dtype), "seed": config.seed,
+                        "tasks_dir": str(Path(config.data.tasks_dir).resolve()),
+                        **replay.model_dump(mode="json", exclude={"beta", "per_step"})}, _REPLAY_SOURCES)
+
+
+def replay_chats(config: PipelineConfig, policy, rank: int, replay=None) -> tuple[list, list] | None:
+    """The replay chats (train, validation) of `replay` (default bootstrap.replay) when its beta > 0: read from the cache
+    (.icrl/replay/<replay_key>.jsonl) when they were sampled before, else sampled from the base model (every rank
+    samples the same ones: deterministic in the seed) and written there atomically by rank 0."""
+    from icrl_core.replay import read_replay, replay_prompts, sample_replies, write_replay
+    from icrl_core.task_data import load_task
+
+    replay = config.bootstrap.replay if replay is None else replay
+    if replay.beta <= 0:
+        return None
+    key = replay_key(config, replay)
+    path = REPLAY_CACHE / f"{key}.jsonl"
+    chats = read_replay(path, key)
+    if chats is None:
+        from tqdm import tqdm
+
+        texts = [ex.text for name in replay.tasks
+                 for ex in load_task(name, config.data.tasks_dir, seed=config.seed).train]
+        prompts = replay_prompts(texts, replay.prompts, config.seed)
+        chats = sample_replies(policy, prompts, replay.max_new_tokens, replay.temperature, config.seed,
+                               progress=lambda b: tqdm(b, desc="replay: sampling base replies", unit="batch"))
+        if rank == 0:
+            write_replay(path, chats, key)
+    val = chats[::10]
+    train = [c for i, c in enumerate(chats) if i % 10]
+    return train, val

@@ -48,13 +48,13 @@ def test_bootstrap_with_replay_reports_it_and_resumes_bitwise(tmp_path, tokens):
 
 
 def test_bootstrap_stage_samples_replay_chats_once_and_reuses_them(tmp_path, monkeypatch):
-    """tasks/bootstrap.replay_chats: training texts of the replay tasks become chats, cached outside the stage's
+    """tasks/training.replay_chats: training texts of the replay tasks become chats, cached outside the stage's
     output folder (which DVC deletes before the stage runs) under a key of what determines them; a rerun after
     the output folder is gone reuses them, training-only settings do not matter, changed settings sample again."""
     import shutil
 
-    from tasks.bootstrap import REPLAY_CACHE, replay_chats, replay_key
     from tasks.settings import PipelineConfig, with_overrides
+    from tasks.training import REPLAY_CACHE, replay_chats, replay_key
     from tests.conftest import TASKS_DIR
 
     monkeypatch.chdir(tmp_path)

@@ -446,13 +446,21 @@ def gates(metrics: dict, cfg) -> dict:
     return out
 
 
+def run_order(configs: list[PipelineConfig]) -> list[int]:
+    """The order runs start in: the adapters' runs first (in the given order), the base model's last. The base
+    runs do not depend on training, so they are usually reused from the store; when they are not, the runs of
+    what was just trained, the new information, finish first (a stage stopped part-way has them)."""
+    return sorted(range(len(configs)), key=lambda i: configs[i].model.init_adapter is None)
+
+
 def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool, config: PipelineConfig | None = None,
                        ability_adapters: tuple = ()) -> tuple[list[dict], int, list[dict]]:
     """The finished runs of `configs` (each copied into its own run folder), how many were resumed, and the
     forgetting measurements (`general_ability` of the stage `config`) of each model in `ability_adapters` (None:
     the base model). A run whose `result_key` is stored is reused (when `reuse`); the others run in their work
-    folders (`work_config`), continuing from the log a killed stage left there. Runs and measurements share one
-    pool (measurements last, so they overlap the longest runs' tails); each finished run is stored at once."""
+    folders (`work_config`), continuing from the log a killed stage left there, in `run_order`. Runs and
+    measurements share one pool (measurements last, so they overlap the longest runs' tails); each finished run
+    is stored at once."""
     import shutil
 
     from tasks.icrl_eval import run_dir_for
@@ -465,7 +473,8 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
 
     results: list[dict | None] = [cached_result(c) if reuse else None for c in configs]
     jobs, owners, resumed = [], [], 0
-    for i, run_config in enumerate(configs):
+    for i in run_order(configs):
+        run_config = configs[i]
         if results[i] is not None:
             continue
         work_run = work_config(run_config)

@@ -1,5 +1,6 @@
 """The evaluate stage's parts: per-strategy settings, the promotion gates (held-out gain, gain over the model's
-own zero-shot, forgetting), result keys by adapter bytes, and a bad feedback-probe label refused before any run.
+own zero-shot, forgetting), the order runs start in, result keys by adapter bytes, and a bad feedback-probe label
+refused before any run.
 Evaluation runs (process pool, streams, resume, reuse): tests/integration/test_evaluate_stage.py."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from icrl_core.config import EvaluateConfig
-from tasks.evaluate import _eval_config, gates
+from tasks.evaluate import _eval_config, gates, run_order
 from tasks.settings import load_config
 
 
@@ -30,6 +31,16 @@ def test_a_strategy_may_explore_hotter_while_every_run_is_tested_alike():
     fixed = load_config(None, ["icrl_eval.test_temperature=0", "evaluate.temperatures={explorative: 2.0}"],
                         environ={})
     assert _eval_config(fixed, "explorative", "base", None).icrl_eval.test_temperature == 0.0
+
+
+def test_the_trained_adapters_runs_start_before_the_base_models():
+    config = load_config(None, [], environ={})
+    jobs = [(s, which, adapter) for s in ("explorative", "naive") for which, adapter in
+            (("base", None), ("trained", Path("trained")), ("start", Path("start")))]
+    configs = [_eval_config(config, *job) for job in jobs]
+    assert [jobs[i][:2] for i in run_order(configs)] == [
+        ("explorative", "trained"), ("explorative", "start"), ("naive", "trained"), ("naive", "start"),
+        ("explorative", "base"), ("naive", "base")]
 
 
 def test_promotion_gates():

@@ -362,15 +362,10 @@ def stream_rl_gate() -> str:
     contexts = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
     boot = results["bootstrap_probe"]
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
-    after = {"3": " after setting 2's 40", "6": " after setting 5's 40, twice the couples per step",
-             "7": " after setting 6's 20, fresh draws", "8": " after setting 7's 40, opaque labels renamed per stream",
-             "9": " after setting 7's 40, fresh draws", "10a": " after setting 9's 20, fresh draws",
-             "10b": " after setting 9's 20, opaque labels renamed per stream", "11": " after setting 7's 40, fresh draws",
-             "12": " after setting 10b's 20, opaque labels renamed per stream, fresh draws"}
     loss_names = {"dpo": "DPO", "contrast": "contrast loss", "rank": "rank loss", "rank_contrast": "rank + contrast loss"}
     for name, s in results["settings"].items():  # in setting order (collect.py writes them so)
         v = s["validation_training_tasks"]
-        label = f"{s['iterations']} iterations" + after.get(name, "")
+        label = f"{s['iterations']} iterations" + (f" {s['lineage']}" if s.get("lineage") else "")
         if "val_couple_accuracy" in v:  # settings 4-10 (PREREGISTERED.md addenda 4, 5, 7-10)
             loss = s.get("hindsight_loss", "dpo" if name == "4" else "contrast")  # recorded from setting 9 on
             label += f", {loss_names[loss]} on hindsight couples"

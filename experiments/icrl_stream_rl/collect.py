@@ -5,7 +5,8 @@
         --setting 1=artifacts/ppo:runs/gate1/probe-rl.json \
         --setting 2=artifacts/ppo_distill:runs/gate1-s2/probe-rl.json \
         --setting 4=artifacts/dpo_hindsight:runs/gate1-s4/probe-rl.json \
-        --describe 4="dpo stage (artifacts/dpo_hindsight), DPO on hindsight couples"
+        --describe 4="dpo stage (artifacts/dpo_hindsight), DPO on hindsight couples" \
+        --lineage 12="after setting 10b's 20, opaque labels renamed per stream, fresh draws"
 
 A setting's run folder is a ppo stage output (evals.json) or a dpo stage output (metrics.json with the
 validation numbers before and after; setting 4: DPO on hindsight couples, with their couple accuracy).
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[], help="NAME=RUN_DIR:PROBE_JSON")
     parser.add_argument("--describe", action="append", default=[],
                         help="NAME=TEXT: what the setting's run was (results.json `run`; default: RUN_DIR)")
+    parser.add_argument("--lineage", action="append", default=[],
+                        help="NAME=TEXT: what the run continued, for the gate table (\"after setting 9's 20, ...\")")
     parser.add_argument("--hindsight-loss", action="append", default=[],
                         help="NAME=KIND: the setting's dpo.hindsight_loss (rank: its margin is logged per pair)")
     args = parser.parse_args()
@@ -92,6 +95,9 @@ def main() -> None:
         # keys added by hand (wall, intermediate validations) survive a re-collect
         results["settings"][name] = {**results["settings"].get(name, {}),
                                      **setting_row(Path(run_dir), Path(probe), descriptions.get(name), losses.get(name))}
+    for item in args.lineage:
+        name, text = item.split("=", 1)
+        results["settings"][name]["lineage"] = text
     results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
     out.write_text(json.dumps(results, indent=2) + "\n")
     for name, s in results["settings"].items():

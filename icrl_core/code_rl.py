@@ -224,7 +224,8 @@ def prepare_completions(policy, batch, rewards: torch.Tensor, groups: torch.Tens
 
 
 def code_step(policy, optimizer, scheduler, task_set: CodeTaskSet, code: CodeConfig, cfg: PPOConfig, beta: float,
-              seed: int, step: int, generator: torch.Generator, max_tokens: int, scorer=None) -> dict[str, float]:
+              seed: int, step: int, generator: torch.Generator, max_tokens: int, scorer=None,
+              regularizer=None) -> dict[str, float]:
     """One iteration of ppo.mode=code (module docstring): this worker's share of the step's tasks, G completions
     each, scored in the sandbox, one update. Returns the update's metrics, every reward component's mean, the
     pass rate and timings."""
@@ -248,7 +249,7 @@ def code_step(policy, optimizer, scheduler, task_set: CodeTaskSet, code: CodeCon
         groups = torch.arange(len(tasks)).repeat_interleave(rollout.group_size)
         prepared = prepare_completions(policy, batch, rewards, groups, cfg, beta)
         metrics = stream_update(policy, optimizer, batch, prepared, cfg, beta, generator, scheduler,
-                                outputs=policy_outputs)
+                                outputs=policy_outputs, regularizer=regularizer)
         mask = batch.action_mask
         known = needs_reference(cfg, beta)  # no reference pass: no KL
         metrics.update({
@@ -259,7 +260,7 @@ def code_step(policy, optimizer, scheduler, task_set: CodeTaskSet, code: CodeCon
             "beta": beta,
         })
     else:
-        metrics = ppo_iteration(policy, optimizer, batch, cfg, beta, generator, scheduler)
+        metrics = ppo_iteration(policy, optimizer, batch, cfg, beta, generator, scheduler, regularizer)
     answers = [r.answers[0] for r in rollouts]
     metrics.update({
         **reward_statistics(breakdowns, rollout.group_size),

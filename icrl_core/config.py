@@ -241,9 +241,10 @@ class OptimFields(Section):
 
 
 class ReplayConfig(Section):
-    """General-chat replay during the bootstrap or dpo stage (icrl_core/replay.py): a KL(policy || reference)
+    """General-chat replay during training (icrl_core/replay.py): a KL(policy || reference)
     term on plain chats whose replies the base model sampled, so training the in-context RL format leaves
-    ordinary replies alone. The reference is the base model (dpo with reference=start: the start adapter)."""
+    ordinary replies alone. The reference is the base model (dpo with reference=start: the start adapter).
+    Available in the bootstrap, ppo and dpo stages."""
 
     beta: Annotated[float, Field(ge=0, description="Weight of the replay KL term (token mean over reply "
                                  "positions) added to each training step; 0 turns replay off.")] = 0.0
@@ -463,6 +464,9 @@ class PPOConfig(OptimFields):
                                          "answer.")
     async_rollouts: AsyncRollouts = Field(default_factory=AsyncRollouts, description="Asynchronous stream "
                                           "rollouts in Ray actors with a bounded policy lag (mode stream).")
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="General-chat replay added to each "
+                                 "optimizer step (off by default: beta 0; per_step chats per iteration); the "
+                                 "chats are the bootstrap's when the settings match (one cache, .icrl/replay).")
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, value head, checkpoints).")] = Path(
         "artifacts/ppo"
     )

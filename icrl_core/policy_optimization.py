@@ -3,7 +3,8 @@ configured objective on in-context RL streams (icrl_core/stream_rl.py), with `pp
 completions of code tasks rewarded in the sandbox (icrl_core/code_rl.py), all on the shared training loop
 (icrl_core/training_loop.py).
 
-One iteration rolls out (episodes, streams or code completions), updates the policy, then moves the KL coefficient
+One iteration rolls out (episodes, streams or code completions), updates the policy (with `ppo.replay` on, each
+optimizer step of the update also carries the bootstrap's general-chat replay term), then moves the KL coefficient
 (`ppo.kl_control`). The validation set is answered once before the first iteration (step 0), every
 `ppo.eval_steps` and after the last iteration; a checkpoint (weights, value head, optimizer, schedule, RNG, the KL
 coefficient, history and evaluations) is written every `ppo.save_steps` iterations and after the last.
@@ -27,11 +28,12 @@ from icrl_core.ppo import (
     summarize,
     trainable_tensors,
 )
+from icrl_core.supervised import evaluate_replay, replay_enabled, replay_step
 from icrl_core.training_loop import Schedule, Trainer, run_loop
 
 
 def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, runtime, max_tokens: int,
-              scorer=None, stream_sources=None, code=None, rollout_source=None
+              scorer=None, stream_sources=None, code=None, rollout_source=None, replay=None
               ) -> tuple[dict[str, float], list[dict], list[dict]]:
     """PPO iterations 1..max_steps (resuming after the last checkpoint). Returns (summary, history, evals).
 
@@ -41,7 +43,11 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
     tasks (icrl_core/code_rl.py); `code` is then the pipeline's `code` section (tasks, sandbox, reward) and
     `scorer` the reward model of the reward_model component. With `ppo.async_rollouts.enabled` the streams come
     from `rollout_source` (actors: tasks/async_rollouts.RolloutPool) on the schedule of
-    icrl_core/async_rollouts.py, and the checkpoints also hold the weights of the rollouts in flight."""
+    icrl_core/async_rollouts.py, and the checkpoints also hold the weights of the rollouts in flight.
+    With `replay` = (train, validation) general-chat replay chats (icrl_core/replay.py) and `cfg.replay.beta` > 0,
+    every optimizer step of iteration s adds `supervised.replay_step` on `cfg.replay.per_step` chats drawn as a
+    pure function of (seed, s) (the same ones for the sub-steps of an iteration, as PPO reuses its rollouts), and
+    every evaluation the validation replay KL."""
     streams, code_mode = cfg.mode == "stream", cfg.mode == "code"
     per_step, what = {"stream": (cfg.stream.groups, "ppo.stream.groups"),
                       "code": (cfg.code.tasks_per_step, "ppo.code.tasks_per_step")}.get(
@@ -51,6 +57,14 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
         raise UserError(f"{what}={per_step} must be a multiple of the number of data-parallel workers "
                         f"({world_size()})")
     optimizer, scheduler = make_optimizer(policy, cfg)
+    replay_on = replay_enabled(replay, cfg.replay)
+
+    def regularizer_of(step: int):
+        """The replay term of iteration `step`'s optimizer steps (None: replay off)."""
+        if not replay_on:
+            return None
+        return lambda: replay_step(policy, replay[0], cfg.replay, seed, step, cfg.minibatch_size, world_size())
+
     beta = cfg.kl_beta  # the KL coefficient of the next iteration (moves under ppo.kl_control: adaptive)
     runner = None  # asynchronous rollouts
     if streams:
@@ -61,11 +75,11 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
 
         def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
             return stream_rl.stream_step(policy, optimizer, scheduler, sources, data, cfg, beta, seed, step,
-                                         generator, max_tokens)
+                                         generator, max_tokens, regularizer_of(step))
 
         if cfg.async_rollouts.enabled:
             runner, run_step = async_stream_steps(policy, optimizer, scheduler, sources, data, cfg, seed, max_tokens,
-                                                  rollout_source, lambda: beta)
+                                                  rollout_source, lambda: beta, regularizer_of)
 
         def run_eval() -> dict[str, float]:
             return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens)
@@ -80,7 +94,7 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
 
         def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
             return code_rl.code_step(policy, optimizer, scheduler, task_set, code, cfg, beta, seed, step, generator,
-                                     max_tokens, scorer)
+                                     max_tokens, scorer, regularizer_of(step))
 
         def run_eval() -> dict[str, float]:
             return code_rl.evaluate_greedy(policy, eval_tasks, task_set.shot, code, cfg.code.max_new_tokens,
@@ -94,12 +108,21 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
         def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
             indices = shard(episode_indices(len(train_episodes), cfg.rollout_episodes, step, seed))
             return ppo_step(policy, optimizer, scheduler, [train_episodes[i] for i in indices], cfg, beta,
-                            generator, max_tokens, scorer)
+                            generator, max_tokens, scorer, regularizer_of(step))
 
         def run_eval() -> dict[str, float]:
             return evaluate(policy, val, cfg, max_tokens, scorer)
 
         has_val = bool(val)
+
+    if replay_on and len(replay[1]) > 0:  # each evaluation also measures the replay chats held back
+        evaluate_mode, mode_has_val = run_eval, has_val
+
+        def run_eval() -> dict[str, float]:
+            return {**(evaluate_mode() if mode_has_val else {}),
+                    **evaluate_replay(policy, replay[1], cfg.minibatch_size)}
+
+        has_val = True
 
     def step(number: int) -> dict[str, float]:
         nonlocal beta
@@ -125,7 +148,7 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
 
 
 def async_stream_steps(policy, optimizer, scheduler, sources, data, cfg: PPOConfig, seed: int, max_tokens: int,
-                       source, beta_now):
+                       source, beta_now, regularizer_of=lambda step: None):
     """(runner, run_step) of stream mode with asynchronous rollouts: step s takes the rollout the actors
     generated with version max(0, s - 1 - K), learns from it off-policy (pi_old = the behaviour policy), then
     pushes the new version (icrl_core/async_rollouts.py). The first step starts the pipeline from the weights it
@@ -154,7 +177,7 @@ def async_stream_steps(policy, optimizer, scheduler, sources, data, cfg: PPOConf
             policy, optimizer, scheduler, rollout.streams, cfg, beta_now(), generator, started,
             time.perf_counter() - started,
             {"async_version": float(rollout.version), "async_lag": float(lag),
-             "actor_rollout_seconds": rollout.seconds})
+             "actor_rollout_seconds": rollout.seconds}, regularizer_of(step))
         runner.updated(step, policy.trainable_state_dict())
         return metrics
 

@@ -313,7 +313,7 @@ def prepare(policy, batch: PPOBatch, cfg: PPOConfig, beta: float, chunk: int) ->
 
 
 def ppo_epochs(policy, optimizer: torch.optim.Optimizer, batch: PPOBatch, prepared: Prepared, cfg: PPOConfig,
-               generator: torch.Generator, scheduler=None) -> dict[str, float]:
+               generator: torch.Generator, scheduler=None, regularizer=None) -> dict[str, float]:
     """`cfg.epochs` passes over the batch in shuffled minibatches of `cfg.minibatch_size` episodes
     (`minibatch_epochs`):
 
@@ -341,19 +341,23 @@ def ppo_epochs(policy, optimizer: torch.optim.Optimizer, batch: PPOBatch, prepar
                        "clip_frac": clip_fraction(logp, old_logp, mask, cfg.clip_range).item()}
         return loss, metrics
 
-    return minibatch_epochs(policy, optimizer, len(batch), cfg, generator, minibatch_loss, scheduler)
+    return minibatch_epochs(policy, optimizer, len(batch), cfg, generator, minibatch_loss, scheduler, regularizer)
 
 
 def minibatch_epochs(policy, optimizer: torch.optim.Optimizer, n_items: int, cfg: PPOConfig,
-                     generator: torch.Generator, minibatch_loss, scheduler=None) -> dict[str, float]:
+                     generator: torch.Generator, minibatch_loss, scheduler=None, regularizer=None) -> dict[str, float]:
     """`cfg.epochs` passes over `n_items` rollouts in shuffled minibatches of `cfg.minibatch_size`:
     `minibatch_loss(index)` -> (loss, metrics) is backpropagated (divided by `grad_accum`), gradients are
     averaged across data-parallel workers and clipped to `max_grad_norm`, an optimizer step every `grad_accum`
-    minibatches (and after the last of an epoch). Returns this worker's metrics averaged over minibatches."""
+    minibatches (and after the last of an epoch). `regularizer()`, if given, backpropagates a term of its own
+    into each optimizer step's gradient just before it is averaged (the general-chat replay term,
+    supervised.replay_step) and returns its metrics. Returns this worker's metrics averaged over minibatches
+    (the regularizer's over optimizer steps)."""
     policy.train()
     params = policy.trainable_parameters()
     sums: dict[str, float] = {}
-    count = pending = 0
+    extra: dict[str, float] = {}
+    count = pending = updates = 0
     grad_norm = 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(n_items, generator=generator)
@@ -363,6 +367,10 @@ def minibatch_epochs(policy, optimizer: torch.optim.Optimizer, n_items: int, cfg
             (loss / cfg.grad_accum).backward()
             pending += 1
             if pending == cfg.grad_accum or number == len(minibatches) - 1:
+                if regularizer is not None:
+                    for key, value in regularizer().items():
+                        extra[key] = extra.get(key, 0.0) + value
+                    updates += 1
                 average_gradients(params)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
                 optimizer.step()
@@ -374,16 +382,16 @@ def minibatch_epochs(policy, optimizer: torch.optim.Optimizer, n_items: int, cfg
     if scheduler is not None:
         scheduler.step()
     policy.eval()
-    return {k: v / max(count, 1) for k, v in sums.items()}
+    return {**{k: v / max(count, 1) for k, v in sums.items()}, **{k: v / max(updates, 1) for k, v in extra.items()}}
 
 
 def ppo_iteration(policy, optimizer: torch.optim.Optimizer, batch: PPOBatch, cfg: PPOConfig, beta: float,
-                  generator: torch.Generator, scheduler=None) -> dict[str, float]:
+                  generator: torch.Generator, scheduler=None, regularizer=None) -> dict[str, float]:
     """One PPO update on a rollout batch: prepare (old/ref log-probs, values, shaped rewards, GAE), then
     `ppo_epochs`. Returns the update metrics plus batch statistics (KL per episode, explained variance, ...)."""
     prepared = prepare(policy, batch, cfg, beta, chunk=cfg.batch_size)
     mask = batch.action_mask
-    metrics = ppo_epochs(policy, optimizer, batch, prepared, cfg, generator, scheduler)
+    metrics = ppo_epochs(policy, optimizer, batch, prepared, cfg, generator, scheduler, regularizer)
     episode_kl = (prepared.kl * mask).sum(1)
     metrics.update({
         "kl": float(episode_kl.mean()),
@@ -487,7 +495,7 @@ def evaluate(policy, episodes, cfg: PPOConfig, max_tokens: int, scorer=None) -> 
 
 
 def ppo_step(policy, optimizer, scheduler, episodes, cfg: PPOConfig, beta: float, generator: torch.Generator,
-             max_tokens: int, scorer=None) -> dict[str, float]:
+             max_tokens: int, scorer=None, regularizer=None) -> dict[str, float]:
     """One PPO iteration: roll out `episodes` (epsilon-mixture sampling, batched with a KV cache), score them,
     update (`ppo_iteration`). Returns its metrics (reward statistics, update diagnostics, timings)."""
     import time
@@ -502,7 +510,7 @@ def ppo_step(policy, optimizer, scheduler, episodes, cfg: PPOConfig, beta: float
     score_rollouts(rollouts, cfg.reward, scorer)
     rollout_seconds = time.perf_counter() - started
     batch = rollout_batch(rollouts, policy.tokenizer.pad_token_id)
-    metrics = ppo_iteration(policy, optimizer, batch, cfg, beta, generator, scheduler)
+    metrics = ppo_iteration(policy, optimizer, batch, cfg, beta, generator, scheduler, regularizer)
     answers = [a for r in rollouts for a in r.answers]
     generated = sum(len(a.token_ids) for a in answers)
     metrics.update(mean_metrics({

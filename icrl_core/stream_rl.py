@@ -212,7 +212,7 @@ def importance_ratio_stats(logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
 
 def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, prepared: StreamPrepared,
                   cfg: PPOConfig, beta: float, generator: torch.Generator, scheduler=None,
-                  outputs=stream_outputs, off_policy: bool = False) -> dict[str, float]:
+                  outputs=stream_outputs, off_policy: bool = False, regularizer=None) -> dict[str, float]:
     """`cfg.epochs` passes over the streams in shuffled minibatches of `cfg.minibatch_size`
     (`ppo.minibatch_epochs`), each minibatch one forward pass:
 
@@ -255,7 +255,7 @@ def stream_update(policy, optimizer: torch.optim.Optimizer, batch: StreamBatch, 
                 metrics.update(importance_ratio_stats(logp, part.behaviour_logp, mask, cfg))
         return loss, metrics
 
-    return minibatch_epochs(policy, optimizer, len(batch), cfg, generator, minibatch_loss, scheduler)
+    return minibatch_epochs(policy, optimizer, len(batch), cfg, generator, minibatch_loss, scheduler, regularizer)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -345,18 +345,19 @@ def distilled(policy, streams: Sequence[Stream], batch: StreamBatch, cfg: PPOCon
 
 
 def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PPOConfig, beta: float, seed: int,
-                step: int, generator: torch.Generator, max_tokens: int) -> dict[str, float]:
-    """One iteration in stream mode: this worker's share of the groups rolled out, prepared, updated."""
+                step: int, generator: torch.Generator, max_tokens: int, regularizer=None) -> dict[str, float]:
+    """One iteration in stream mode: this worker's share of the groups rolled out, prepared, updated
+    (`regularizer`: an extra term in each optimizer step, `ppo.minibatch_epochs`)."""
     started = time.perf_counter()
     streams = roll_out(policy, sources, data, cfg, seed, step, shard(range(cfg.stream.groups)), "train",
                        max_tokens)
     return learn_from_streams(policy, optimizer, scheduler, streams, cfg, beta, generator, started,
-                              time.perf_counter() - started)
+                              time.perf_counter() - started, regularizer=regularizer)
 
 
 def learn_from_streams(policy, optimizer, scheduler, streams: Sequence[Stream], cfg: PPOConfig, beta: float,
                        generator: torch.Generator, started: float, rollout_seconds: float,
-                       rollout_metrics: dict[str, float] | None = None) -> dict[str, float]:
+                       rollout_metrics: dict[str, float] | None = None, regularizer=None) -> dict[str, float]:
     """Prepare and update on rolled-out streams; the iteration's metrics (averaged over data-parallel workers).
 
     `rollout_metrics` (asynchronous rollouts: the lag, the version; icrl_core/async_rollouts.py) marks the
@@ -370,7 +371,7 @@ def learn_from_streams(policy, optimizer, scheduler, streams: Sequence[Stream], 
         batch, distill_metrics = distilled(policy, streams, batch, cfg)
     prepared = prepare_streams(policy, batch, cfg, beta, off_policy=off_policy)
     metrics = stream_update(policy, optimizer, batch, prepared, cfg, beta, generator, scheduler,
-                            off_policy=off_policy)
+                            off_policy=off_policy, regularizer=regularizer)
     mask, step_mask = batch.action_mask, batch.step_mask
     unknown = float("nan") if not needs_reference(cfg, beta) else None  # no reference pass: no KL
     metrics.update({

@@ -70,6 +70,7 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
     from icrl_core.policy_optimization import train_ppo
     from icrl_core.ppo import zero_value_head
     from tasks.runtime import ProgressRuntime
+    from tasks.training import replay_chats
 
     cfg = config.ppo
     stream_sources = None
@@ -101,8 +102,9 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
             pool = stack.enter_context(RolloutPool(config, policy.adapter, max_tokens))
         progress = stack.enter_context(ProgressRuntime(runtime, cfg.max_steps, STAGE,
                                                        ("mean_reward", "kl", "val_accuracy")))
+        replay = replay_chats(config, policy, runtime.rank, cfg.replay)
         summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress, max_tokens, scorer,
-                                            stream_sources, config.code, pool)
+                                            stream_sources, config.code, pool, replay)
     if runtime.rank == 0:
         write_outputs(Path(cfg.output_dir), policy, history, evals)
     return {**summary, "world_size": runtime.world_size}

@@ -63,6 +63,48 @@ def test_stream_training_resumes_exactly(policy):
     assert not any(diffs.values()), diffs
 
 
+def test_stream_training_with_replay_holds_the_replies_and_resumes_exactly(policy):
+    """ppo.replay: each optimizer step also carries the replay term (logged per iteration, and on held-back chats
+    at each evaluation); the policy ends nearer the base model on the replies than the same run without it; a
+    killed run resumes to the same weights (the chats are a pure function of (seed, iteration))."""
+    from icrl_core.model import load_policy
+    from icrl_core.policy_optimization import train_ppo
+    from icrl_core.replay import sample_replies
+    from icrl_core.supervised import evaluate_replay
+    from tests.unit.test_replay import TEXTS
+
+    chats = sample_replies(load_policy("tiny", seed=0), TEXTS[:12], max_new_tokens=8, temperature=1.0, seed=0)
+    replay = (chats[3:], chats[:3])
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, max_steps=4, save_steps=1, eval_steps=2,
+                    stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=2,
+                    minibatch_size=2, batch_size=4, learning_rate=3e-2, replay={"beta": 5.0, "per_step": 4})
+    sources = (resolve_sources(DATA, 0), DATA)
+
+    def train(config, runtime, with_replay=True):
+        return train_ppo(policy, [], [], config, 0, runtime, 2048, None, sources,
+                         replay=replay if with_replay else None)
+
+    fresh(policy)
+    _, history, evals = train(cfg, MemoryRuntime())
+    weights = {k: v.clone() for k, v in trainable_tensors(policy).items()}
+    assert all(h["replay_kl"] >= 0 for h in history)
+    assert [e["step"] for e in evals] == [0, 2, 4] and all("val_replay_kl" in e for e in evals)
+    assert evals[0]["val_replay_kl"] == pytest.approx(0.0, abs=1e-7)  # LoRA B = 0: the base model itself
+    assert "val_reward_second_half" in evals[0]  # the streams' own validation still runs
+    with_replay = evals[-1]["val_replay_kl"]
+    fresh(policy)
+    train(cfg, MemoryRuntime(), with_replay=False)
+    without = evaluate_replay(policy, chats[:3], batch_size=2)["val_replay_kl"]
+    assert 0 < with_replay < 0.8 * without  # 0.017 vs 0.025 here
+    fresh(policy)
+    saved: list = []
+    with pytest.raises(Killed):
+        train(cfg, MemoryRuntime(saved, kill_after=2))
+    fresh(policy)
+    train(cfg, MemoryRuntime(saved))
+    assert all(bool((weights[k] == v).all()) for k, v in trainable_tensors(policy).items())
+
+
 TINY_STREAMS = [
     "model.spec=tiny", "tracking.enabled=false", "ppo.mode=stream", "ppo.max_steps=2", "ppo.save_steps=1",
     "ppo.stream={steps: 3, group_size: 2, groups: 1, eval_groups: 1}", "ppo.objective={kind: rloo}",

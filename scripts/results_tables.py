@@ -388,6 +388,38 @@ def stream_rl_gate() -> str:
             "over the queries (settings 4-8 rerun with per-query numbers: same means; settings 1-3 stored only means).\n")
 
 
+def stream_rl_gate2() -> str:
+    """Gate 2 of experiments/icrl_stream_rl: held-out trec_coarse test accuracy of the RL adapter, the bootstrap it
+    started from and the base model, per seed (collect_gate2.py), and the pre-registered decision."""
+    results = _json("experiments/icrl_stream_rl/results.json").get("gate2", {})
+    rows, notes = [], []
+    for setting, gate in results.items():
+        for seed, row in gate["seeds"].items():
+            for strategy in ("explorative", "naive", "zero_shot"):
+                runs = {m: row["runs"].get(f"{m}-{strategy}") for m in ("base", "start", "trained")}
+                if runs["trained"] is None:
+                    continue
+                steps = sorted(runs["trained"]["test_accuracy"], key=int)
+                curve = " / ".join(_fmt(runs["trained"]["test_accuracy"][s], 3) for s in steps)
+                last = steps[-1]
+                cells = [_fmt(r["test_accuracy"][last]) if r else "" for r in runs.values()]
+                diff = (_signed(runs["trained"]["test_accuracy"][last] - runs["start"]["test_accuracy"][last])
+                        if runs["start"] else "")
+                rows.append([setting, seed, strategy.replace("_", "-"), *cells, diff, curve])
+        for strategy in ("explorative", "naive"):
+            d = gate["decision"][strategy]
+            mean = _signed(d["mean"]) if d["mean"] is not None else "n/a"
+            notes.append(f"setting {setting}, {strategy}: RL - bootstrap at the last step, mean of "
+                         f"{len(d['differences'])} seed(s) {mean}: **{d['verdict']}**")
+        notes.append(f"setting {setting}: gate 2 **{gate['decision']['gate2']}** (needs naive or explorative "
+                     "positive on all three seeds and a mean of at least +0.05)")
+    if not rows:
+        return "No gate-2 run is collected yet.\n"
+    return (_table(["setting", "seed", "strategy", "base", "bootstrap (start)", "RL adapter", "RL - bootstrap",
+                    "RL adapter's test accuracy at each test step"], rows)
+            + "\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+
+
 def stream_rl_learnability() -> str:
     """Addendum 6 of experiments/icrl_stream_rl: the hindsight-couple contrast on fixed couples (learnability.json)."""
     data = _json("experiments/icrl_stream_rl/learnability.json")
@@ -558,6 +590,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
     "stream-rl-learnability": stream_rl_learnability,
+    "stream-rl-gate2": stream_rl_gate2,
     "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,
     "demo-summary": demo_summary,

@@ -1,0 +1,85 @@
+"""Collect gate 2 of issue 26's pre-registered experiment (PREREGISTERED.md, "Gates") into results.json: per seed,
+the evaluate stage's runs of the RL adapter (`trained`), the bootstrap it started from (`start`) and the base model
+(test accuracy at every test step, train accuracy), its forgetting measures, and the pre-registered decision.
+
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate2.py --setting 12 \
+        --seed 100=artifacts/evaluate_gate2_seed100 --seed 101=... --seed 102=...
+
+Rule (fixed before the runs): for naive or for explorative, RL minus bootstrap test accuracy at step 999 is
+positive on all three seeds AND its mean over them is at least 0.05. With fewer than three seeds the decision is
+`pending`, unless a seed already has a difference <= 0 (then `failed`: the rule needs every seed positive).
+Seeds already in results.json and not given again are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SEEDS = (100, 101, 102)
+STRATEGIES = ("explorative", "naive", "zero_shot")
+MIN_MEAN = 0.05
+
+
+def seed_row(folder: Path) -> dict:
+    """One seed's evaluate-stage output: every run's test curve and train accuracy, and the forgetting numbers."""
+    metrics = json.loads((folder / "metrics.json").read_text())
+    runs = {}
+    for run in sorted((folder / "runs").iterdir()):
+        run_metrics = json.loads((run / "metrics.json").read_text())
+        runs[run.name] = {"test_accuracy": {str(k): v for k, v in run_metrics["test_accuracy"].items()},
+                          "train_accuracy": run_metrics.get("train_accuracy")}
+    keep = ("forgetting_base_accuracy", "forgetting_trained_accuracy", "forgetting_drop",
+            "forgetting_probe_base_accuracy", "forgetting_probe_trained_accuracy", "forgetting_probe_change",
+            "feedback_effect_base", "feedback_effect_trained", "seconds")
+    return {"runs": runs, **{k: metrics[k] for k in keep if k in metrics}}
+
+
+def final(run: dict) -> float:
+    return run["test_accuracy"][max(run["test_accuracy"], key=int)]
+
+
+def decision(seeds: dict) -> dict:
+    """Per strategy: the per-seed differences RL - bootstrap at the last test step, their mean, and the rule."""
+    out = {}
+    for strategy in ("naive", "explorative"):
+        diffs = {seed: round(final(row["runs"][f"trained-{strategy}"]) - final(row["runs"][f"start-{strategy}"]), 4)
+                 for seed, row in seeds.items()
+                 if f"trained-{strategy}" in row["runs"] and f"start-{strategy}" in row["runs"]}
+        mean = round(sum(diffs.values()) / len(diffs), 4) if diffs else None
+        if any(d <= 0 for d in diffs.values()):
+            verdict = "failed"
+        elif len(diffs) < len(SEEDS):
+            verdict = "pending"
+        else:
+            verdict = "passed" if mean >= MIN_MEAN else "failed"
+        out[strategy] = {"differences": diffs, "mean": mean, "verdict": verdict}
+    verdicts = [v["verdict"] for v in out.values()]
+    out["gate2"] = "passed" if "passed" in verdicts else "pending" if "pending" in verdicts else "failed"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setting", required=True, help="the setting whose adapter the runs evaluated")
+    parser.add_argument("--seed", action="append", default=[], help="SEED=EVALUATE_OUTPUT_DIR")
+    args = parser.parse_args()
+    out = HERE / "results.json"
+    results = json.loads(out.read_text())
+    gate2 = results.setdefault("gate2", {}).setdefault(args.setting, {"seeds": {}})
+    for item in args.seed:
+        seed, folder = item.split("=", 1)
+        gate2["seeds"][seed] = seed_row(Path(folder))
+    gate2["seeds"] = dict(sorted(gate2["seeds"].items()))
+    gate2["decision"] = decision(gate2["seeds"])
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    for strategy in ("naive", "explorative"):
+        d = gate2["decision"][strategy]
+        print(f"setting {args.setting} {strategy}: RL - bootstrap {d['differences']} mean {d['mean']} -> {d['verdict']}")
+    print(f"gate 2: {gate2['decision']['gate2']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Issue 26's pre-registered gate-2 rule (experiments/icrl_stream_rl/collect_gate2.py): for naive or explorative,
+RL minus bootstrap at the last test step positive on all three seeds and a mean of at least 0.05."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("collect_gate2",
+                                               ROOT / "experiments" / "icrl_stream_rl" / "collect_gate2.py")
+collect_gate2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(collect_gate2)
+
+
+def _seeds(differences: dict[str, tuple[float, float]]) -> dict:
+    """seed -> (RL - bootstrap on explorative, on naive), as the runs of one evaluate-stage output."""
+    def runs(explorative: float, naive: float) -> dict:
+        curve = lambda value: {"test_accuracy": {"0": 0.2, "999": value}}
+        return {"trained-explorative": curve(0.4 + explorative), "start-explorative": curve(0.4),
+                "trained-naive": curve(0.2 + naive), "start-naive": curve(0.2)}
+    return {seed: {"runs": runs(*pair)} for seed, pair in differences.items()}
+
+
+def test_every_seed_positive_and_a_mean_of_five_points_passes():
+    out = collect_gate2.decision(_seeds({"100": (0.06, 0.0), "101": (0.05, 0.01), "102": (0.07, -0.02)}))
+    assert out["explorative"]["verdict"] == "passed" and out["explorative"]["mean"] == 0.06
+    assert out["naive"]["verdict"] == "failed" and out["gate2"] == "passed"  # one strategy is enough
+
+
+def test_a_small_mean_fails_and_missing_seeds_are_pending_unless_one_is_not_positive():
+    assert collect_gate2.decision(_seeds({"100": (0.02, 0.01), "101": (0.03, 0.02),
+                                          "102": (0.04, 0.03)}))["gate2"] == "failed"
+    pending = collect_gate2.decision(_seeds({"100": (0.10, 0.10)}))
+    assert pending["explorative"]["verdict"] == pending["gate2"] == "pending"
+    early = collect_gate2.decision(_seeds({"100": (0.0, -0.05)}))  # zero is not positive
+    assert early["explorative"]["verdict"] == early["naive"]["verdict"] == early["gate2"] == "failed"

@@ -24,13 +24,15 @@ MIN_MEAN = 0.05
 
 
 def seed_row(folder: Path) -> dict:
-    """One seed's evaluate-stage output: every run's test curve and train accuracy, and the forgetting numbers."""
-    metrics = json.loads((folder / "metrics.json").read_text())
+    """One seed's evaluate-stage output: every run's test curve and train accuracy, and the forgetting numbers
+    (absent while the stage has not finished: a folder of the runs finished so far, runs/<model>-<strategy>/)."""
+    stage = folder / "metrics.json"
+    metrics = json.loads(stage.read_text()) if stage.exists() else {}
     runs = {}
     for run in sorted((folder / "runs").iterdir()):
         run_metrics = json.loads((run / "metrics.json").read_text())
         runs[run.name] = {"test_accuracy": {str(k): v for k, v in run_metrics["test_accuracy"].items()},
-                          "train_accuracy": run_metrics.get("train_accuracy")}
+                          "train_accuracy": run_metrics.get("train_accuracy"), "regret": run_metrics.get("regret")}
     keep = ("forgetting_base_accuracy", "forgetting_trained_accuracy", "forgetting_drop",
             "forgetting_probe_base_accuracy", "forgetting_probe_trained_accuracy", "forgetting_probe_change",
             "feedback_effect_base", "feedback_effect_trained", "seconds")

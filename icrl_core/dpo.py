@@ -245,6 +245,7 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
     global_batch = cfg.batch_size * cfg.grad_accum
     world = _check_world(global_batch) if cfg.episode_pairs else distributed.world_size()
     replay_on = replay_enabled(replay, cfg.replay)
+    replay_val = replay_on and len(replay[1]) > 0  # chats held back for the evaluations
 
     def step(number: int) -> dict[str, float]:
         began = time.perf_counter()
@@ -312,7 +313,7 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
         metrics = evaluate_preferences(policy, val_pairs, cfg) if val_pairs else {}
         if hindsight_eval:
             metrics.update(evaluate_couples(policy, *stream_sources, cfg, seed, max_tokens))
-        if replay_on and len(replay[1]) > 0:
+        if replay_val:
             metrics.update(evaluate_replay(policy, replay[1], cfg.batch_size))
         if eval_tasks:
             metrics.update(code_rl.evaluate_greedy(policy, eval_tasks, task_set.shot, code, cfg.code.max_new_tokens,
@@ -321,8 +322,7 @@ def train_dpo(policy, train_pairs: Sequence[Pair], val_pairs: Sequence[Pair], cf
 
     trainer = Trainer(step, optimizer, scheduler, params, policy.trainable_state_dict,
                       lambda tensors: policy.load_trainable_state_dict(tensors, "checkpoint"),
-                      evaluate if val_pairs or eval_tasks or hindsight_eval or (replay_on and len(replay[1]) > 0)
-                      else None)
+                      evaluate if val_pairs or eval_tasks or hindsight_eval or replay_val else None)
     schedule = Schedule(cfg.max_steps, cfg.eval_steps, cfg.save_steps, evaluate_first=True)
     result = run_loop(trainer, schedule, runtime)
     metrics = dict(result.last)

@@ -6,7 +6,7 @@ Losses (one function each, formula in the docstring):
 - `bradley_terry_loss`:          L = -log sigmoid(r(x, y+) - r(x, y-)).
 - `bootstrap_objective`:         L = (sum_t CE_t + kl_beta * sum_t KL_t) / N_answer_tokens.
 - `replay_objective`:            L_replay = replay_beta * sum_t KL_t / N_reply_tokens over general-chat replies
-                                 (icrl_core/replay.py), added to each bootstrap (or dpo) step when replay is on.
+                                 (icrl_core/replay.py), added to each bootstrap, dpo or ppo step when replay is on.
 
 Both loops run on the shared training loop (icrl_core/training_loop.py), which talks only to a runtime
 (`tasks/runtime.py`: `report`, `save_checkpoint`, `load_latest_checkpoint`). They are deterministic given the seed: the data order of step s is a pure function of

@@ -48,8 +48,9 @@ from bench.ppo_step import (
     trl_model,
 )
 
-VARIANTS = ("icrl", "icrl-causal", "trl")  # icrl-causal: model.right_padding_mask=false
-ICRL_SIDES = (("icrl", ""), ("icrl-causal", "_causal"))  # (variant, suffix of its ratio keys)
+# icrl-causal: model.right_padding_mask=false; icrl-shared: model.share_prefix=true
+VARIANTS = ("icrl", "icrl-causal", "icrl-shared", "trl")
+ICRL_SIDES = (("icrl", ""), ("icrl-causal", "_causal"), ("icrl-shared", "_shared"))  # (variant, ratio key suffix)
 LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 LEARNING_RATE = 1e-5
 CLIP = 0.2
@@ -70,7 +71,8 @@ def run_icrl(args) -> dict:
     groups = torch.arange(len(episodes)).repeat_interleave(args.group_size)
     policy = load_policy("smollm2-135m", args.dtype, LoraAdapter(rank=LORA["rank"], alpha=LORA["alpha"],
                                                                   target_modules=LORA["targets"]),
-                         right_padding_mask=args.variant != "icrl-causal")
+                         right_padding_mask=args.variant != "icrl-causal",
+                         share_prefix=args.variant == "icrl-shared")
     after_load = rss_mb()
     n = len(batch_episodes)
     # Update settings only (epochs, one minibatch, grad clipping); the loss below is the GRPO objective.
@@ -192,6 +194,12 @@ NOTES = [
     "Optimizer: AdamW lr 1e-5 constant, weight decay 0, grad-norm clip 1.0 on both.",
     ("TRL gradient checkpointing is off (its default is on) so both sides keep activations; TRL generates with "
      "transformers generate() on the PEFT model, icrl with its own batched KV-cache loop."),
+    ("icrl-shared: the icrl side with model.share_prefix=true: the G completions of a prompt prefill it once in "
+     "generation, and the reference and training passes run each prompt once with its KV cache repeated to the G "
+     "rows (gradients through the shared prompt add up over the group in autograd; equal to the full pass up to "
+     "float rounding, tests/unit/test_model.py). TRL computes every completion's prompt separately. Tokens are "
+     "counted the same way on every side (each sequence's prompt + completion), so this variant's tokens/s "
+     "credits it with prompt tokens it computed once per group."),
     ("icrl-causal: the icrl side with model.right_padding_mask=false (right-padded training passes run causal "
      "attention without the padding mask: the same forward numbers at real positions, gradients equal up to float "
      "rounding); icrl: the pipeline's default (mask given)."),

@@ -83,6 +83,15 @@ class ModelConfig(Section):
               "(less memory: bench/grpo_step.py), but gradients that differ in float rounding (~1e-7 relative), "
               "so on by default: runs recorded with the mask reproduce bit for bit."),
     ] = True
+    share_prefix: Annotated[
+        bool,
+        Field(description="Training and scoring passes run a prefix shared by several rows once: rows whose "
+              "tokens before their first scored position are equal (G sampled answers to one prompt, a DPO "
+              "pair, G streams of one task and query order) get one prefix pass whose KV cache is repeated "
+              "to them. The same losses and gradients up to float rounding for ~1/G of the prefix's compute "
+              "and activation memory (bench/grpo_step.py); off by default so recorded runs reproduce bit for "
+              "bit."),
+    ] = False
     adapter: Adapter = Field(default_factory=LoraAdapter, description="What is trained: LoRA, last N blocks, none.")
     init_adapter: Annotated[
         Path | None,

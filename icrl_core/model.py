@@ -232,6 +232,7 @@ class Policy:
     _reference_lora: list[tuple[nn.ModuleDict, str, nn.Module]] = field(default_factory=list)
     _tokens: Tokens | None = None
     right_padding_mask: bool = True  # model.right_padding_mask
+    share_prefix: bool = False  # model.share_prefix
 
     @property
     def tokens(self) -> Tokens:
@@ -375,6 +376,11 @@ class Policy:
         attention_mask = attention_mask.to(device) if attention_mask is not None else None
         logits_at = logits_at.to(device) if logits_at is not None else None
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        if (self.share_prefix and logits_at is not None and attention_mask is not None and not kwargs
+                and right_padded(attention_mask) and not bool((logits_at & (attention_mask == 0)).any())):
+            groups = prefix_groups(input_ids, logits_at)
+            if groups is not None:
+                return self._forward_shared(input_ids, attention_mask, logits_at, with_values, *groups)
         if (not self.right_padding_mask and attention_mask is not None and not kwargs.keys() & CACHED_PASS
                 and right_padded(attention_mask)):
             attention_mask = None  # causal attention alone: real tokens come before a row's padding
@@ -384,6 +390,46 @@ class Policy:
         logits = self.causal_lm.lm_head(selected).float()
         values = self.value_head(hidden) if (with_values and self.value_head is not None) else None
         return logits, values, hidden
+
+    def _forward_shared(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_at: torch.Tensor,
+                        with_values: bool, group: torch.Tensor, prefix: torch.Tensor):
+        """`forward` for rows whose tokens before their first `logits_at` position are shared within a group
+        (`prefix_groups`: G sampled answers to one prompt, a DPO pair, G streams of one task): each group's
+        prefix runs once (P rows, with gradients when enabled), its KV cache is repeated to the group's rows,
+        and only the rows' own tokens run after it. The same numbers as the full pass up to float rounding, and
+        the same gradients (autograd adds the G copies' contributions to the prefix), for ~1/G of the prefix
+        compute and activations. -> (logits (N, V), values (B, T) filled at `logits_at` only, hidden None)."""
+        from transformers import DynamicCache
+
+        device, pad = self.device, self.tokenizer.pad_token_id
+        input_ids, attention_mask, logits_at = input_ids.cpu(), attention_mask.cpu(), logits_at.cpu()
+        first_row = torch.tensor([group.tolist().index(g) for g in range(len(prefix))])  # (P,)
+        width = int(prefix.max())
+        prefix_mask = (torch.arange(width)[None, :] < prefix[:, None]).long()     # (P, Lp), right-padded
+        prefix_ids = input_ids[first_row, :width].masked_fill(prefix_mask == 0, pad)
+        cache = DynamicCache()
+        self.causal_lm.model(input_ids=prefix_ids.to(device), attention_mask=prefix_mask.to(device),
+                             past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(group.to(device))                                # (B, Lp) per layer
+        start = prefix[group]                                                       # (B,) first own token
+        length = attention_mask.sum(1)                                              # (B,) real tokens
+        own = int((length - start).max())
+        offsets = start[:, None] + torch.arange(own)[None, :]                       # (B, S) positions in the row
+        own_mask = (offsets < length[:, None]).long()
+        gather_at = offsets.clamp(max=input_ids.shape[1] - 1)
+        own_ids = input_ids.gather(1, gather_at).masked_fill(own_mask == 0, pad)
+        own_at = logits_at.gather(1, gather_at) & own_mask.bool()                  # (B, S)
+        out = self.causal_lm.model(input_ids=own_ids.to(device),
+                                   attention_mask=torch.cat([prefix_mask[group], own_mask], 1).to(device),
+                                   position_ids=offsets.to(device), past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state                                              # (B, S, H)
+        at = own_at.to(device)
+        logits = self.causal_lm.lm_head(hidden[at]).float()                        # (N, V)
+        values = None
+        if with_values and self.value_head is not None:
+            full = torch.zeros(logits_at.shape, dtype=torch.float32, device=device)
+            values = full.masked_scatter(logits_at.to(device), self.value_head(hidden)[at])
+        return logits, values, None
 
     def train(self, mode: bool = True) -> Policy:
         self.model.train(mode)
@@ -402,6 +448,27 @@ class Policy:
         for block in self._frozen_blocks.values():
             block.to(device)
         return self
+
+
+def prefix_groups(input_ids: torch.Tensor, logits_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows of a batch whose tokens before their first `logits_at` position are equal share that prefix.
+    -> (group of each row (B,), prefix length of each group (P,)), or None when no two rows share one (or a
+    row needs logits at position 0): then sharing saves nothing."""
+    has_logits = logits_at.any(1)
+    first = logits_at.int().argmax(1)                                               # (B,)
+    if not bool(has_logits.all()) or bool((first == 0).any()):
+        return None
+    keys: dict[tuple[int, ...], int] = {}
+    group, prefix = [], []
+    for row_ids, length in zip(input_ids.tolist(), first.tolist()):
+        key = tuple(row_ids[:length])
+        if key not in keys:
+            keys[key] = len(prefix)
+            prefix.append(length)
+        group.append(keys[key])
+    if len(prefix) == len(group):
+        return None
+    return torch.tensor(group), torch.tensor(prefix)
 
 
 def add_special_tokens(model: nn.Module, tokenizer, names: Sequence[str]) -> list[int]:
@@ -453,11 +520,11 @@ def apply_adapter(model: nn.Module, adapter: Adapter,
 def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | None = None,
                 value_head: bool = False, cache_dir: Path | None = None, seed: int = 0,
                 init_adapter: Path | None = None, device: str = "auto", added_tokens: Sequence[str] = (),
-                right_padding_mask: bool = True) -> Policy:
+                right_padding_mask: bool = True, share_prefix: bool = False) -> Policy:
     """Load a policy onto `device` (`resolve_device`). `adapter` defaults to no trainable part (evaluation).
     Everything is built and seeded on the CPU, then moved: the same initial numbers on every device.
     `added_tokens`: special tokens added to the vocabulary (`add_special_tokens`) and, under LoRA, trained with it
-    (the critic's joint-bin tokens, icrl_core/critic.py). `right_padding_mask`: model.right_padding_mask."""
+    (the critic's joint-bin tokens, icrl_core/critic.py). `right_padding_mask`, `share_prefix`: model.*."""
     adapter = adapter or FrozenAdapter()
     base, tokenizer = load_base_model(spec, dtype, cache_dir, seed)
     token_ids = add_special_tokens(base, tokenizer, added_tokens) if added_tokens else []
@@ -466,7 +533,7 @@ def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | 
         model, frozen = apply_adapter(base, adapter, token_ids if isinstance(adapter, LoraAdapter) else ())
         head = ValueHead(base.config.hidden_size) if value_head else None
     policy = Policy(model=model, tokenizer=tokenizer, adapter=adapter, spec=spec, value_head=head,
-                    _frozen_blocks=frozen, right_padding_mask=right_padding_mask)
+                    _frozen_blocks=frozen, right_padding_mask=right_padding_mask, share_prefix=share_prefix)
     if init_adapter is not None:
         policy.load_adapter(init_adapter)
     policy.to(resolve_device(device))
@@ -485,4 +552,4 @@ def policy_from_config(model_config, value_head: bool = False, seed: int = 0, ad
         adapter = (saved_adapter(init_adapter) if init_adapter is not None else None) or model_config.adapter
     return load_policy(model_config.spec, model_config.dtype, adapter, value_head,
                        model_config.cache_dir, seed, init_adapter, model_config.device,
-                       right_padding_mask=model_config.right_padding_mask)
+                       right_padding_mask=model_config.right_padding_mask, share_prefix=model_config.share_prefix)

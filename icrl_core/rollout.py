@@ -242,7 +242,23 @@ class BatchedCache:
     @torch.no_grad()
     def feed(self, rows_ids: Sequence[Sequence[int]], logits: bool = True) -> torch.Tensor:
         """Feed each row its ids; return, for each row that got ids (in row order), the next-token logits (R, V)
-        at its last new token, or its final hidden state (R, H) with `logits=False`, on the CPU."""
+        at its last new token, or its final hidden state (R, H) with `logits=False`, on the CPU.
+
+        With model.share_prefix, a first feed in which rows repeat (G answers to one prompt, G streams of one
+        task) runs each distinct row once and repeats its cache rows: the same numbers up to float rounding."""
+        if self.policy.share_prefix and self.attention.shape[1] == 0 and all(rows_ids):
+            distinct: dict[tuple[int, ...], int] = {}
+            inverse = torch.tensor([distinct.setdefault(tuple(ids), len(distinct)) for ids in rows_ids])
+            if len(distinct) < self.batch:
+                batch, self.batch = self.batch, len(distinct)
+                self.attention, self.n_real = self.attention[:self.batch], self.n_real[:self.batch]
+                out = self._feed([list(ids) for ids in distinct], logits)
+                self.cache.batch_select_indices(inverse.to(self.policy.device))
+                self.attention, self.n_real, self.batch = self.attention[inverse], self.n_real[inverse], batch
+                return out[inverse]
+        return self._feed(rows_ids, logits)
+
+    def _feed(self, rows_ids: Sequence[Sequence[int]], logits: bool) -> torch.Tensor:
         width = max(len(ids) for ids in rows_ids)
         block = torch.full((self.batch, width), self.pad, dtype=torch.long)
         block_mask = torch.zeros((self.batch, width), dtype=torch.long)

@@ -146,7 +146,8 @@ def bench_grpo_vs_trl() -> str:
             + "".join(f"\n{name} / TRL GRPOTrainer: tokens/s x{ratio[f'tokens_per_second_icrl{suffix}_over_trl']:.2f}, "
                       f"peak RSS x{ratio[f'peak_rss_icrl{suffix}_over_trl']:.2f} (goal {ratio['goal']}: "
                       f"{'met' if ratio[f'goal_met{suffix}'] else 'missed'})."
-                      for name, suffix in (("icrl", ""), ("icrl-causal (model.right_padding_mask=false)", "_causal"))
+                      for name, suffix in (("icrl", ""), ("icrl-causal (model.right_padding_mask=false)", "_causal"),
+                                           ("icrl-shared (model.share_prefix=true)", "_shared"))
                       if f"goal_met{suffix}" in ratio)
             + f"\nMeasured {data['environment']['timestamp'][:10]}, {data['settings']['torch_threads']} torch thread "
             f"per side, load average {data['environment']['load_average_at_end'][0]:.1f} at the end on the "
@@ -311,7 +312,10 @@ def readme_headline() -> str:
                   f"(identical predictions); one policy-optimisation iteration runs at "
                   f"{trl['tokens_per_second_icrl_over_trl']:.2f}x TRL's tokens/s with {trl['peak_rss_icrl_over_trl']:.2f}x "
                   f"its peak memory (PPO), and one GRPO iteration at {grpo['tokens_per_second_icrl_over_trl']:.2f}x "
-                  f"TRL GRPOTrainer's tokens/s with {grpo['peak_rss_icrl_over_trl']:.2f}x its peak memory.")
+                  f"TRL GRPOTrainer's tokens/s with {grpo['peak_rss_icrl_over_trl']:.2f}x its peak memory"
+                  + (f" ({grpo['tokens_per_second_icrl_shared_over_trl']:.2f}x and "
+                     f"{grpo['peak_rss_icrl_shared_over_trl']:.2f}x with `model.share_prefix`)."
+                     if "tokens_per_second_icrl_shared_over_trl" in grpo else "."))
     async_path = ROOT / "bench/results/async_rollouts.json"
     if async_path.exists():
         ratio = _json("bench/results/async_rollouts.json")["ratio"]

@@ -92,3 +92,25 @@ def test_policy_optimization_picks_the_pipelines_stages(tmp_path):
     with_overrides(PipelineConfig(), {"policy_optimization": "dpo", "evaluate.adapter": "artifacts/dpo/adapter"})
     with pytest.raises((UserError, ValueError), match="policy_optimization=dpo skips"):
         with_overrides(PipelineConfig(), {"policy_optimization": "dpo"})  # still evaluates artifacts/ppo/adapter
+
+
+def test_shared_prefix_margins_and_gradients_equal_the_full_pass(tokens):
+    """model.share_prefix: a pair's two sequences share their context, which then runs once per pair."""
+    pairs = episode_pairs(keyword_rows(tokens)[0])[:4]
+    policy = _start_adapter()
+
+    def run(share: bool):
+        policy.share_prefix = share
+        try:
+            for p in policy.trainable_parameters():
+                p.grad = None
+            margins = preference_margins(policy, pairs)
+            margins.sum().backward()
+        finally:
+            policy.share_prefix = False
+        return margins.detach(), [p.grad.clone() for p in policy.trainable_parameters()]
+
+    (full, full_grads), (shared, shared_grads) = run(False), run(True)
+    assert full.abs().max() > 1e-3 and torch.allclose(full, shared, atol=1e-5)
+    for a, b in zip(full_grads, shared_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

@@ -202,3 +202,56 @@ def test_without_the_right_padding_mask_real_positions_are_unchanged(tiny):
     assert not torch.allclose(causal[~real], masked[~real], atol=1e-3)  # the padding's outputs did change
     policy = policy_from_config(ModelConfig(spec="tiny", right_padding_mask=False))
     assert not policy.right_padding_mask
+
+
+def test_shared_prefix_pass_matches_the_full_pass():
+    """model.share_prefix: rows equal before their first scored position run that prefix once; logits, values
+    and every gradient equal the full pass's up to float rounding (the group's copies add up in autograd)."""
+    from icrl_core.model import prefix_groups
+
+    policy = load_policy("tiny", adapter=LoraAdapter(rank=4, alpha=8), value_head=True, seed=0)
+    with torch.no_grad():  # LoRA B starts at zero: give both factors a gradient
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    answers = [[20, 21], [22], [23, 24, 25], [26, 27], [28]]
+    owners = [0, 0, 0, 1, 1]
+    rows = [prompts[o] + a for o, a in zip(owners, answers)] + [[30, 31, 32, 33]]  # the last row shares nothing
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    at = torch.zeros_like(mask, dtype=torch.bool)  # the positions predicting each answer token
+    for row, o in enumerate(owners):
+        at[row, len(prompts[o]) - 1: len(rows[row]) - 1] = True
+    at[5, 2:3] = True
+    group, prefix = prefix_groups(ids, at)
+    assert group.tolist() == [0, 0, 0, 1, 1, 2] and prefix.tolist() == [5, 2, 2]
+    assert prefix_groups(ids[[0, 3]], at[[0, 3]]) is None  # no two rows share a prefix
+
+    def run(share: bool):
+        policy.share_prefix = share
+        policy.model.zero_grad(), policy.value_head.zero_grad()
+        logits, values, _ = policy.forward(ids, mask, logits_at=at, with_values=True)
+        (torch.log_softmax(logits, -1)[:, 7].sum() + values[at].pow(2).sum()).backward()
+        with torch.no_grad(), policy.reference():
+            reference, _, _ = policy.forward(ids, mask, logits_at=at)
+        grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+        grads["value"] = policy.value_head.linear.weight.grad.clone()
+        return logits.detach(), values[at].detach(), reference, grads
+
+    calls = []
+    shared_pass = policy._forward_shared
+    policy._forward_shared = lambda *args: calls.append(1) or shared_pass(*args)
+    try:
+        full, shared = run(False), run(True)
+    finally:
+        policy.share_prefix = False
+        del policy._forward_shared
+    assert len(calls) == 2  # the training and the reference pass took the shared path
+    assert full[0].shape == shared[0].shape and len(full[3]) == len(shared[3]) > 1
+    for a, b in zip(full[:3], shared[:3]):
+        assert torch.allclose(a, b, atol=1e-5)
+    for name, grad in full[3].items():
+        assert torch.allclose(grad, shared[3][name], atol=1e-5, rtol=1e-4), name
+    assert policy_from_config(ModelConfig(spec="tiny", share_prefix=True)).share_prefix

@@ -8,7 +8,7 @@ import torch
 
 from icrl_core.config import LoraAdapter, MixedReward, ModelConfig, ModelReward, TaskReward
 from icrl_core.episodes import render_episode
-from icrl_core.ppo import collate, policy_outputs
+from icrl_core.ppo import collate, policy_outputs, rollout_batch
 from icrl_core.prompting import template_for
 from icrl_core.rollout import EpisodeDialogue, Sampling, generate_rollouts, score_rollouts
 from tests.ppo_helpers import keyword_episodes
@@ -132,3 +132,30 @@ def test_rewards_from_task_reward_model_and_both(policy, tmp_path):
     # the score sits on the last token of each answer
     tokens = rollouts[0].token_scores()
     assert len(tokens) == len(rollouts[0].action_positions) and sum(tokens) == pytest.approx(sum(rollouts[0].scores))
+
+
+def test_shared_prefix_rollouts_equal_unshared(policy):
+    """model.share_prefix: G rollouts of one episode prefill their prompt once (and the PPO pass runs it once);
+    the same seeded samples, behaviour log-probs and recomputed log-probs as without."""
+    episodes = [ep for ep in keyword_episodes(2, k=3, n=2, seed=8) for _ in range(3)]
+
+    def run(share: bool):
+        policy.share_prefix = share
+        try:
+            rollouts = generate_rollouts(policy, episodes, Sampling(temperature=1.0), 5, 2048,
+                                         torch.Generator().manual_seed(11))
+            with torch.no_grad():
+                for rollout in rollouts:
+                    rollout.scores = [0.0] * len(rollout.answers)
+                logp, _, values = policy_outputs(policy, rollout_batch(rollouts, policy.tokenizer.pad_token_id),
+                                                 1.0, with_values=True)
+        finally:
+            policy.share_prefix = False
+        return rollouts, logp, values
+
+    (plain, plain_logp, plain_values), (shared, shared_logp, shared_values) = run(False), run(True)
+    assert len({tuple(r.input_ids) for r in plain}) > 2  # the repeats sampled different answers
+    for a, b in zip(plain, shared, strict=True):
+        assert a.input_ids == b.input_ids and a.action_positions == b.action_positions
+        assert torch.allclose(torch.tensor(a.behaviour_logp), torch.tensor(b.behaviour_logp), atol=1e-5)
+    assert torch.allclose(plain_logp, shared_logp, atol=1e-5) and torch.allclose(plain_values, shared_values, atol=1e-5)

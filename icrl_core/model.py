@@ -370,7 +370,9 @@ class Policy:
 
         `logits_at` (bool mask (B, T)) computes the vocabulary projection only where it is needed: the LM head
         over 49k tokens is a large share of a small model's compute. Then logits has shape (N, V) for the N
-        selected positions; otherwise (B, T, V). Inputs are moved to the policy's device (no-op on the CPU)."""
+        selected positions; otherwise (B, T, V). Inputs are moved to the policy's device (no-op on the CPU).
+        With `share_prefix`, a right-padded batch whose rows share prompts runs each once (`_forward_shared`;
+        values are then filled at `logits_at` only and hidden is None)."""
         device = self.device
         input_ids = input_ids.to(device)
         attention_mask = attention_mask.to(device) if attention_mask is not None else None

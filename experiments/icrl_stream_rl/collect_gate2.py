@@ -14,6 +14,7 @@ Seeds already in results.json and not given again are kept.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -32,11 +33,30 @@ def seed_row(folder: Path) -> dict:
     for run in sorted((folder / "runs").iterdir()):
         run_metrics = json.loads((run / "metrics.json").read_text())
         runs[run.name] = {"test_accuracy": {str(k): v for k, v in run_metrics["test_accuracy"].items()},
-                          "train_accuracy": run_metrics.get("train_accuracy"), "regret": run_metrics.get("regret")}
+                          "train_accuracy": run_metrics.get("train_accuracy"), "regret": run_metrics.get("regret"),
+                          "behaviour": stream_behaviour(run / "steps.jsonl")}
     keep = ("forgetting_base_accuracy", "forgetting_trained_accuracy", "forgetting_drop",
             "forgetting_probe_base_accuracy", "forgetting_probe_trained_accuracy", "forgetting_probe_change",
             "feedback_effect_base", "feedback_effect_trained", "seconds")
     return {"runs": runs, **{k: metrics[k] for k in keep if k in metrics}}
+
+
+def stream_behaviour(steps: Path) -> dict:
+    """How a run answered its training stream (steps.jsonl): how often the next answer repeats the last one after
+    a reward of 0 and after a reward of 1 (a copier repeats either way), the answers given per label, and the
+    answers rewarded per gold label. Diagnostics reported beside the gate, not part of its rule."""
+    rows = [json.loads(line) for line in steps.read_text().splitlines() if line.strip()]
+    repeats = {0: [0, 0], 1: [0, 0]}
+    for last, step in itertools.pairwise(rows):
+        counts = repeats[int(last["reward"] > 0)]
+        counts[0] += step["prediction"] == last["prediction"]
+        counts[1] += 1
+    labels = sorted({r["gold"] for r in rows} | {r["prediction"] for r in rows})
+    return {"repeat_after_wrong": round(repeats[0][0] / max(repeats[0][1], 1), 3),
+            "repeat_after_right": round(repeats[1][0] / max(repeats[1][1], 1), 3),
+            "answers": {label: sum(r["prediction"] == label for r in rows) for label in labels},
+            "right_per_gold": {label: [sum(r["gold"] == label and r["reward"] > 0 for r in rows),
+                                       sum(r["gold"] == label for r in rows)] for label in labels}}
 
 
 def final(run: dict) -> float:

@@ -35,3 +35,19 @@ def test_a_small_mean_fails_and_missing_seeds_are_pending_unless_one_is_not_posi
     assert pending["explorative"]["verdict"] == pending["gate2"] == "pending"
     early = collect_gate2.decision(_seeds({"100": (0.0, -0.05)}))  # zero is not positive
     assert early["explorative"]["verdict"] == early["naive"]["verdict"] == early["gate2"] == "failed"
+
+
+def test_stream_behaviour_separates_a_copier_from_a_reader(tmp_path):
+    """A copier repeats its last answer whatever the reward; a reader changes it after a 0 and keeps it after a 1."""
+    import json
+
+    def steps(rows):
+        path = tmp_path / "steps.jsonl"
+        path.write_text("".join(json.dumps({"gold": g, "prediction": p, "reward": int(g == p)}) + "\n" for g, p in rows))
+        return collect_gate2.stream_behaviour(path)
+
+    copier = steps([("a", "a"), ("b", "a"), ("b", "a"), ("a", "a")])
+    assert copier["repeat_after_wrong"] == copier["repeat_after_right"] == 1.0
+    assert copier["answers"] == {"a": 4, "b": 0} and copier["right_per_gold"] == {"a": [2, 2], "b": [0, 2]}
+    reader = steps([("b", "a"), ("b", "b"), ("b", "b"), ("a", "b"), ("a", "a")])
+    assert reader["repeat_after_wrong"] == 0.0 and reader["repeat_after_right"] == 1.0

@@ -365,7 +365,10 @@ def stream_rl_gate() -> str:
     results = _json("experiments/icrl_stream_rl/results.json")
     contexts = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
     boot = results["bootstrap_probe"]
-    rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), "", "", ""]]
+    def gold(probe: dict) -> str:  # p(gold label): no context -> after 1 attempt marked wrong
+        return f"{probe['p_gold']['n0']:.3f} -> {probe['p_gold']['n1_wrong']:.3f}"
+
+    rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), gold(boot), "", "", ""]]
     loss_names = {"dpo": "DPO", "contrast": "contrast loss", "rank": "rank loss", "rank_contrast": "rank + contrast loss"}
     for name, s in results["settings"].items():  # in setting order (collect.py writes them so)
         v = s["validation_training_tasks"]
@@ -383,9 +386,10 @@ def stream_rl_gate() -> str:
         if "gap_ci95" in s["probe"]:  # 95% paired bootstrap interval over the probe's queries
             gap += " [" + ", ".join(_signed(x) for x in s["probe"]["gap_ci95"]) + "]"
         rows.append([f"setting {name} ({label})", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
-                     gap, "passed" if s["gate1_passed"] else "failed", stream])
+                     gold(s["probe"]), gap, "passed" if s["gate1_passed"] else "failed", stream])
     return (_table([f"p(`{boot['target']}`) on {boot['task']}", "no context", "1 attempt marked wrong",
-                    "1 marked right", "4 marked wrong", "4 marked right", "right - wrong (n=1)",
+                    "1 marked right", "4 marked wrong", "4 marked right",
+                    "p(gold): no context -> 1 marked wrong", "right - wrong (n=1)",
                     f"gate 1 (>= {results['gate1_margin']})", "validation streams of the training tasks: reward"],
                    rows)
             + f"\n{boot['queries']} queries, seed {boot['seed']}, {boot['dtype']}; [interval]: 95% paired bootstrap "

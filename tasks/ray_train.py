@@ -46,6 +46,37 @@ def code_runtime_env() -> dict:
     return {"py_modules": folders, "excludes": list(SHIP_EXCLUDES)}
 
 
+def bind_rendezvous_to_master_addr() -> None:
+    """Ray `worker_process_setup_hook` of every job: torch.distributed's rendezvous store (a TCPStore on rank 0,
+    created when Ray Train sets up the process group) listens on every interface ('::') whatever address the
+    workers are given. Make rank 0's store listen only on that address (MASTER_ADDR: 127.0.0.1 on a local Ray,
+    the node's address on a cluster) by handing TCPStore a socket bound there (its `master_listen_fd`)."""
+    import importlib
+    import socket
+
+    from torch.distributed import TCPStore
+
+    # the module (torch.distributed's attribute of that name is the rendezvous function)
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    create_store = getattr(rendezvous, "_create_c10d_store", None)
+    if create_store is None or getattr(create_store, "binds_master_addr", False):
+        return  # another torch layout: leave it (tests/integration/test_ray_train.py would catch a wildcard)
+
+    def create_bound_store(hostname, port, rank, world_size, timeout, use_libuv=True):
+        if rank != 0 or rendezvous._torchelastic_use_agent_store():
+            return create_store(hostname, port, rank, world_size, timeout, use_libuv)
+        family, kind, proto, _, address = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen()
+        return TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True, timeout=timeout,
+                        multi_tenant=True, master_listen_fd=listener.detach(), use_libuv=use_libuv)
+
+    create_bound_store.binds_master_addr = True
+    rendezvous._create_c10d_store = create_bound_store
+
+
 def ships_code(cfg: RayConfig) -> bool:
     return bool(cfg.address) if cfg.ship_code == "auto" else bool(cfg.ship_code)
 
@@ -69,7 +100,8 @@ def ensure_ray(cfg: RayConfig) -> None:
     if ray.is_initialized():
         return
     env_vars = {k: os.environ.get(k, v) for k, v in ENV_DEFAULTS.items()}
-    runtime_env = {"env_vars": env_vars, **(code_runtime_env() if ships_code(cfg) else {})}
+    runtime_env = {"env_vars": env_vars, **(code_runtime_env() if ships_code(cfg) else {}),
+                   "worker_process_setup_hook": "tasks.ray_train.bind_rendezvous_to_master_addr"}
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=runtime_env, logging_level=logging.WARNING)
         return

@@ -87,16 +87,29 @@ def test_local_ray_workers_run_at_the_configured_niceness(ray_session):
     assert niceness == os.nice(0) + _config(1).ray.worker_niceness
 
 
-def test_ray_listens_on_loopback_only(ray_session):
-    import ray
+LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1")
 
-    assert ray.is_initialized()
-    ray_pids = set()
-    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
-        text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
-        if "ray" in text and ("gcs_server" in text or "raylet" in text or "ray::" in text):
-            ray_pids.add(proc.info["pid"])
+
+def test_ray_listens_on_loopback_only(ray_session):
+    """This test's own Ray (its descendants: another job's Ray on the machine is not its concern) listens on
+    127.0.0.1 only."""
+    import os
+
+    from tasks.ray_train import ensure_ray
+
+    ensure_ray(_config(1).ray)
+    me = os.getpid()
+    ray_pids = {proc.pid for proc in psutil.Process(me).children(recursive=True)}
     listening = [c for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN" and c.pid in ray_pids]
     assert listening, "expected Ray to listen on some ports"
     for conn in listening:
-        assert conn.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1"), conn
+        assert conn.laddr.ip in LOOPBACK, conn
+
+
+def test_a_training_workers_rendezvous_store_listens_on_loopback_only(ray_session):
+    """torch.distributed's store on rank 0 binds every interface unless told otherwise; while a job trains, its
+    workers listen on 127.0.0.1 only (tasks.ray_train.bind_rendezvous_to_master_addr)."""
+    from tests.support.toy_stage import listening_worker
+
+    result = launch(_config(2), "bootstrap", listening_worker)
+    assert result["listening"] and set(result["listening"]) <= set(LOOPBACK), result

@@ -14,10 +14,18 @@ A model that reads the feedback moves away from a label its context marks wrong 
 right-marked context pulls it to `target`); a model that copies its previous answers gives `target` the same
 probability either way (effect near 0). The second case predicts the collapse of naive in-context RL: once a
 few attempts give one label, the model keeps giving it, however often it is told it is wrong. n = 0 (no
-context) is the baseline. Mean p(gold) is reported beside each condition, and each query's p(target).
+context) is the baseline. Mean p(gold) is reported beside each condition, and each query's p(target) and p(gold).
 
-The effect's 95% interval is a paired percentile bootstrap over the queries (`effect_interval`): the same
-queries and attempts appear in both conditions, so what is resampled is each query's difference
+Moving off a label marked wrong is half of reading feedback; the other half is where the probability goes. So
+the probe also reports, per n, whether the gold label gains from the wrong-marked context:
+
+    gold_after_wrong = mean_q p(gold | n attempts marked wrong) - mean_q p(gold | no context)
+
+(positive: the eliminated label's mass moves towards the right answer; a model that only stops repeating
+itself spreads it over the other wrong labels and can end below its no-context p(gold)).
+
+The effects' 95% intervals are paired percentile bootstraps over the queries (`effect_interval`): the same
+queries (and attempts) appear in both conditions, so what is resampled is each query's difference, e.g.
 p(target | right) - p(target | wrong).
 
 Costs one forward pass per query and condition over a cached context (a few seconds per 40 queries for
@@ -97,7 +105,7 @@ def feedback_sensitivity(predictor: Predictor, task: ClassificationTask, target:
                          counts: Sequence[int] = (1, 4), n_queries: int = 40, seed: int = 0,
                          on_query: Callable[[], None] | None = None) -> dict:
     """The probe (module docstring): per condition the mean p(target) and p(gold) over the queries and each
-    query's p(target), and per n > 0 the feedback effect and its 95% interval. `on_query` is called after each
+    query's values, and per n > 0 the feedback effect and the gold gain after wrong, each with its 95% interval. `on_query` is called after each
     (query, condition) pair (progress bars)."""
     queries, pool = probe_examples(task, target, n_queries, seed)
     target_index = task.labels.index(target)
@@ -114,15 +122,20 @@ def feedback_sensitivity(predictor: Predictor, task: ClassificationTask, target:
                 on_query()
         results[condition.name] = {**asdict(condition), "p_target": float(np.mean(p_target)),
                                    "p_gold": float(np.mean(p_gold)), "queries": len(queries),
-                                   "p_target_per_query": p_target}
+                                   "p_target_per_query": p_target, "p_gold_per_query": p_gold}
     attempt_counts = sorted(set(counts) - {0})
     effect = {str(n): results[f"n{n}_right"]["p_target"] - results[f"n{n}_wrong"]["p_target"]
               for n in attempt_counts}
     interval = {str(n): effect_interval(results[f"n{n}_right"]["p_target_per_query"],
                                         results[f"n{n}_wrong"]["p_target_per_query"], seed)
                 for n in attempt_counts}
+    gold = {str(n): results[f"n{n}_wrong"]["p_gold"] - results["n0"]["p_gold"] for n in attempt_counts}
+    gold_interval = {str(n): effect_interval(results[f"n{n}_wrong"]["p_gold_per_query"],
+                                             results["n0"]["p_gold_per_query"], seed)
+                     for n in attempt_counts}
     return {"task": task.name, "target": target, "queries": len(queries), "seed": seed, "conditions": results,
-            "feedback_effect": effect, "feedback_effect_ci95": interval}
+            "feedback_effect": effect, "feedback_effect_ci95": interval,
+            "gold_after_wrong": gold, "gold_after_wrong_ci95": gold_interval}
 
 
 def probe_size(counts: Sequence[int], n_queries: int) -> int:

@@ -301,6 +301,9 @@ def register(app: typer.Typer) -> None:
         out.print("feedback effect p(right) - p(wrong) [95% interval over queries]: " + ", ".join(
             f"n={n}: {effect:+.3f} [{result['feedback_effect_ci95'][n][0]:+.3f}, "
             f"{result['feedback_effect_ci95'][n][1]:+.3f}]" for n, effect in result["feedback_effect"].items()))
+        out.print("p(gold) after attempts marked wrong - p(gold) without context [95% interval]: " + ", ".join(
+            f"n={n}: {gain:+.3f} [{result['gold_after_wrong_ci95'][n][0]:+.3f}, "
+            f"{result['gold_after_wrong_ci95'][n][1]:+.3f}]" for n, gain in result["gold_after_wrong"].items()))
         if output is not None:
             out.print(f"wrote {output}")
 

@@ -166,13 +166,15 @@ def forgetting_probe_metrics(base: dict, trained: dict) -> dict:
 
 
 def feedback_probe_metrics(feedback: dict) -> dict:
-    """Flat metrics of both models' feedback probes: p(target) per condition and the feedback effect per n
-    (p(target | marked right) - p(target | marked wrong); a model that reads the feedback has it well above 0)."""
+    """Flat metrics of both models' feedback probes: p(target) per condition, the feedback effect per n
+    (p(target | marked right) - p(target | marked wrong); a model that reads the feedback has it well above 0)
+    and the gold label's gain after attempts marked wrong (p(gold | n wrong) - p(gold | no context))."""
     metrics = {}
     for which, result in feedback.items():
         metrics |= {f"feedback_p_target_{name}_{which}": row["p_target"]
                     for name, row in result["conditions"].items()}
         metrics |= {f"feedback_effect_n{n}_{which}": effect for n, effect in result["feedback_effect"].items()}
+        metrics |= {f"gold_after_wrong_n{n}_{which}": gain for n, gain in result.get("gold_after_wrong", {}).items()}
     return metrics
 
 

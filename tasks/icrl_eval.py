@@ -506,6 +506,7 @@ def _track_probe(config: PipelineConfig, result: dict, output: Path | None) -> N
         metrics |= {f"feedback_effect_n{n}": effect for n, effect in result["feedback_effect"].items()}
         metrics |= {f"feedback_effect_n{n}_ci95_{side}": bound for n, bounds in result["feedback_effect_ci95"].items()
                     for side, bound in zip(("low", "high"), bounds)}
+        metrics |= {f"gold_after_wrong_n{n}": gain for n, gain in result["gold_after_wrong"].items()}
         tracker.log_metrics(metrics)
         if not tracker.enabled:
             return

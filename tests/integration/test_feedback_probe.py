@@ -40,8 +40,13 @@ def test_cli_writes_the_probe_and_rejects_a_bad_target(tmp_path):
         result["conditions"]["n2_right"]["p_target"] - result["conditions"]["n2_wrong"]["p_target"])
     low, high = result["feedback_effect_ci95"]["2"]  # paired bootstrap over the 3 queries' differences
     assert low <= result["feedback_effect"]["2"] <= high
-    assert all(len(row["p_target_per_query"]) == 3 for row in result["conditions"].values())
-    assert "feedback effect" in out.stdout and "95% interval" in out.stdout
+    assert all(len(row["p_target_per_query"]) == len(row["p_gold_per_query"]) == 3
+               for row in result["conditions"].values())
+    assert result["gold_after_wrong"]["2"] == pytest.approx(  # does the gold label gain from "wrong"?
+        result["conditions"]["n2_wrong"]["p_gold"] - result["conditions"]["n0"]["p_gold"])
+    low_gold, high_gold = result["gold_after_wrong_ci95"]["2"]
+    assert low_gold <= result["gold_after_wrong"]["2"] <= high_gold
+    assert "feedback effect" in out.stdout and "95% interval" in out.stdout and "p(gold) after" in out.stdout
 
     import mlflow  # the probe is an MLflow run too (sqlite store in the working directory)
 
@@ -51,6 +56,7 @@ def test_cli_writes_the_probe_and_rejects_a_bad_target(tmp_path):
     assert run.data.metrics["feedback_effect_n2"] == pytest.approx(result["feedback_effect"]["2"])
     assert run.data.metrics["feedback_effect_n2_ci95_low"] == pytest.approx(low)
     assert run.data.metrics["p_target_n0"] == pytest.approx(result["conditions"]["n0"]["p_target"])
+    assert run.data.metrics["gold_after_wrong_n2"] == pytest.approx(result["gold_after_wrong"]["2"])
     artifacts = [a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "probe_feedback")]
     assert artifacts == ["probe_feedback/probe.json"]
     bad = run_cli("probe-feedback", "--model", "tiny", "--task", "keyword_map", "--target", "nope",

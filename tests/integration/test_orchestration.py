@@ -191,6 +191,8 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
         assert evaluated[f"feedback_effect_n4_{which}"] == pytest.approx(
             conditions["n4_right"]["p_target"] - conditions["n4_wrong"]["p_target"])
         assert 0 < evaluated[f"feedback_p_target_n0_{which}"] < 1
+        assert evaluated[f"gold_after_wrong_n4_{which}"] == pytest.approx(
+            conditions["n4_wrong"]["p_gold"] - conditions["n0"]["p_gold"])
     # the real gates decided the alias: a version that fails them is never the champion
     from tasks.evaluate import gates
     from tasks.settings import load_config

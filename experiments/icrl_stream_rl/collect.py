@@ -35,7 +35,11 @@ def probe_row(path: Path) -> dict:
                                                                     for c in CONTEXTS},
             # the one-attempt effect's paired bootstrap interval over queries (probes run from 2026-11-26 14:45 on)
             **({"gap_ci95": [round(x, 4) for x in probe["feedback_effect_ci95"]["1"]]}
-               if "feedback_effect_ci95" in probe else {})}
+               if "feedback_effect_ci95" in probe else {}),
+            # p(gold | 1 marked wrong) - p(gold | no context) and its paired interval (probes from 2026-11-27 on)
+            **({"gold_after_wrong": round(probe["gold_after_wrong"]["1"], 4),
+                "gold_after_wrong_ci95": [round(x, 4) for x in probe["gold_after_wrong_ci95"]["1"]]}
+               if "gold_after_wrong" in probe else {})}
 
 
 def validation(run_dir: Path) -> tuple[int, dict]:

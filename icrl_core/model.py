@@ -405,7 +405,8 @@ class Policy:
 
         device, pad = self.device, self.tokenizer.pad_token_id
         input_ids, attention_mask, logits_at = input_ids.cpu(), attention_mask.cpu(), logits_at.cpu()
-        first_row = torch.tensor([group.tolist().index(g) for g in range(len(prefix))])  # (P,)
+        rows = group.tolist()
+        first_row = torch.tensor([rows.index(g) for g in range(len(prefix))])      # (P,) a row of each group
         width = int(prefix.max())
         prefix_mask = (torch.arange(width)[None, :] < prefix[:, None]).long()     # (P, Lp), right-padded
         prefix_ids = input_ids[first_row, :width].masked_fill(prefix_mask == 0, pad)

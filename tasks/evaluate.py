@@ -174,7 +174,7 @@ def feedback_probe_metrics(feedback: dict) -> dict:
         metrics |= {f"feedback_p_target_{name}_{which}": row["p_target"]
                     for name, row in result["conditions"].items()}
         metrics |= {f"feedback_effect_n{n}_{which}": effect for n, effect in result["feedback_effect"].items()}
-        metrics |= {f"gold_after_wrong_n{n}_{which}": gain for n, gain in result.get("gold_after_wrong", {}).items()}
+        metrics |= {f"gold_after_wrong_n{n}_{which}": gain for n, gain in result["gold_after_wrong"].items()}
     return metrics
 
 

@@ -348,11 +348,33 @@ class MixedReward(Section):
 RewardSource = Annotated[TaskReward | ModelReward | MixedReward, Field(discriminator="kind")]
 
 
+class NaiveStreamContext(Section):
+    """Every past step in context, negative feedback included: the harness's naive strategy (p_keep 1). The
+    stream is one growing token sequence (one KV cache while generating, one forward pass to update)."""
+
+    kind: Literal["naive"] = "naive"
+
+
+class ExplorativeStreamContext(Section):
+    """The harness's explorative strategy (the paper's random_unbiased_only_positive): at each step every past
+    step whose answer was rewarded is kept with probability p_keep (a fresh draw per step), in time order; wrong
+    answers never enter the context, so the policy explores by sampling. Each step's context is its own
+    sequence (no KV reuse between steps; the update scores T sequences per stream)."""
+
+    kind: Literal["explorative"] = "explorative"
+    p_keep: Annotated[float, Field(gt=0, le=1, description="Probability that a rewarded past step is in a "
+                                   "step's context (the harness's default for explorative evaluation: "
+                                   "0.1 over 1000 steps; short training streams keep more).")] = 0.5
+
+
+StreamContext = Annotated[NaiveStreamContext | ExplorativeStreamContext, Field(discriminator="kind")]
+
+
 class StreamConfig(Section):
     """ppo.mode=stream (icrl_core/streams.py): each rollout is an in-context RL stream of `steps` queries of a
     few-way task drawn from data.sources like a bootstrap episode (data.labels_per_episode, data.permute_labels),
-    answered by the harness's constrained decoding at ppo.temperature, with the reward feedback of every past
-    step in context. `group_size` streams share a task and query order."""
+    answered by the harness's constrained decoding at ppo.temperature, with the reward feedback of past steps in
+    context as `context` selects them. `group_size` streams share a task and query order."""
 
     steps: Annotated[int, Field(ge=1, le=256, description="Queries per stream (T).")] = 16
     group_size: Annotated[int, Field(ge=1, le=64, description="Streams per group (G): same task and query order, "
@@ -365,6 +387,9 @@ class StreamConfig(Section):
                                       "(tasks, queries, sampling): a run continued from another run's adapter "
                                       "sets the earlier run's steps here to draw fresh streams instead of "
                                       "repeating its first iterations' (validation draws never move).")] = 0
+    context: StreamContext = Field(default_factory=NaiveStreamContext, description="Which past steps a step "
+                                   "sees (the evaluation strategy the streams train under): naive (all, the "
+                                   "default) or explorative (rewarded ones, each kept with probability p_keep).")
 
 
 class AsyncRollouts(Section):
@@ -564,6 +589,13 @@ class DPOConfig(OptimFields):
     output_dir: Annotated[Path, Field(description="Stage output folder (adapter, metrics, curves).")] = Path(
         "artifacts/dpo"
     )
+
+    @model_validator(mode="after")
+    def _hindsight_needs_the_naive_view(self) -> DPOConfig:
+        if self.mine_hindsight and self.stream.context.kind != "naive":
+            raise ValueError("dpo.mine_hindsight renders each stream with every past attempt and its feedback "
+                             "(the naive view): set dpo.stream.context.kind=naive")
+        return self
 
 
 class AdaptConfig(Section):

@@ -283,7 +283,7 @@ def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConf
     streams: list[Stream] = []
     for group, task in tasks:
         rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g) for g in range(cfg.stream.group_size)]
-        streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens)
+        streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context)
     return streams
 
 

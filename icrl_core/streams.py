@@ -12,8 +12,11 @@ is 1 for the gold label, else 0, and the feedback turn joins the context.
 G streams of a group share the task and the query order (a group baseline compares answers to the same query);
 they are generated together in one KV cache (`rollout.BatchedCache`), each stream's cache only growing.
 
-The finished stream is one token sequence whose prefixes are exactly the contexts of its steps, so ONE forward
-pass over it gives every step's answer log-probs for the update (`stream_outputs`):
+Which past steps a step sees is `ppo.stream.context`: naive (every past step, the default) or explorative (the
+harness's explorative strategy: rewarded past steps only, each kept with probability p_keep, drawn afresh at each
+step). A naive stream is one token sequence whose prefixes are exactly the contexts of its steps, so ONE forward
+pass over it gives every step's answer log-probs for the update (`stream_outputs`); an explorative stream's steps
+each have their own sequence (context, query, answer), scored in the same pass as rows of their own:
 
     log pi(a_t | s_t) = sum over the decisions j of step t of log softmax(z_j[children_j] / T)[chosen_j]
 
@@ -36,11 +39,12 @@ import numpy as np
 import torch
 
 from icrl_core.chat import Tokens
-from icrl_core.config import DataConfig
+from icrl_core.config import DataConfig, NaiveStreamContext, StreamContext
 from icrl_core.dataset_build import ResolvedSource, episode_labels, episode_rng
 from icrl_core.errors import UserError
 from icrl_core.icrl_eval import (
     EpisodeRecord,
+    Explorative,
     Show,
     candidate_sequences,
     child_distribution,
@@ -116,9 +120,10 @@ class Decision:
 @dataclass
 class StreamStep:
     record: EpisodeRecord     # query, gold, prediction, reward, feedback (as the harness logs a step)
-    answer_start: int         # index in the stream of the answer's first token (the prompt is ids[:answer_start])
+    answer_start: int         # index in its sequence of the answer's first token (the prompt is ids[:answer_start])
     answer_ids: tuple[int, ...]
-    decisions: list[Decision]
+    decisions: list[Decision]  # positions index the step's sequence
+    sequence: int = 0         # which of the stream's sequences holds the step (naive: all in sequence 0)
 
     @property
     def reward(self) -> float:
@@ -134,16 +139,27 @@ class StreamStep:
 class Stream:
     task: StreamTask
     group: int
-    input_ids: list[int]      # up to the last answer's end-of-turn token
+    # naive: one sequence, up to the last answer's end-of-turn token; explorative: one per step (its context,
+    # query and answer up to its end of turn)
+    sequences: list[list[int]]
     steps: list[StreamStep] = field(default_factory=list)
 
     @property
     def rewards(self) -> list[float]:
         return [s.reward for s in self.steps]
 
+    @property
+    def input_ids(self) -> list[int]:
+        """The token sequence of a naive stream (every step's context is a prefix of it)."""
+        if len(self.sequences) != 1:
+            raise ValueError("this stream's steps have contexts of their own (ppo.stream.context explorative): "
+                             "it is not one sequence")
+        return self.sequences[0]
+
     def context_ids(self, step: int) -> list[int]:
         """The prompt of `step`: what the policy saw before answering it."""
-        return self.input_ids[:self.steps[step].answer_start]
+        record = self.steps[step]
+        return self.sequences[record.sequence][:record.answer_start]
 
 
 def restricted_logits(head, rows: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -163,14 +179,55 @@ def stream_rng(seed: int, iteration: int, group: int, stream: int) -> np.random.
     return np.random.default_rng([seed, iteration, group, stream])
 
 
+def _walk_trie(cache: BatchedCache, hidden: torch.Tensor, trie: LabelTrie, head, rngs: Sequence[np.random.Generator],
+               temperature: float, starts: Sequence[int]) -> tuple[list[list[int]], list[list[Decision]], list[int]]:
+    """Decode one answer per row of `cache` (its rows fed their prompts; hidden (n, H) their last positions):
+    walk the label trie, deciding at each branching node with the row's rng (the harness's rule), feeding each
+    chosen token except a finished row's last. starts: each row's prompt length (decision positions index the
+    row's sequence). -> (answer token ids, decisions, leaf node) per row."""
+    n = len(rngs)
+    node = [ROOT] * n
+    answer: list[list[int]] = [[] for _ in range(n)]
+    decisions: list[list[Decision]] = [[] for _ in range(n)]
+    active = list(range(n))
+    while active:
+        branching = [g for g in active if len(trie.children[node[g]]) > 1]
+        choice = {g: 0 for g in active}
+        if branching:
+            kids = [trie.children[node[g]] for g in branching]
+            width = max(len(k) for k in kids)
+            cand = torch.tensor([[trie.token[c] for c in k] + [trie.token[k[0]]] * (width - len(k))
+                                 for k in kids], dtype=torch.long)
+            logits = restricted_logits(head, hidden[branching], cand).cpu()
+            for g, ks, row in zip(branching, kids, logits):
+                values = row[:len(ks)].double().numpy()
+                pick = sample_child(values, temperature, rngs[g])
+                prob = float(child_distribution(values, temperature)[pick])
+                choice[g] = pick
+                decisions[g].append(Decision(starts[g] + len(answer[g]) - 1, tuple(trie.token[c] for c in ks),
+                                             pick, math.log(prob)))
+        for g in active:
+            node[g] = trie.children[node[g]][choice[g]]
+            answer[g].append(trie.token[node[g]])
+        active = [g for g in active if not trie.is_leaf(node[g])]
+        if active:  # the chosen tokens enter the cache; finished rows feed padding
+            out = cache.feed([[answer[g][-1]] if g in active else [] for g in range(n)], logits=False)
+            for row, g in enumerate(active):
+                hidden[g] = out[row]
+    return answer, decisions, node
+
+
 @torch.no_grad()
 def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
-                     group: int = 0, max_tokens: int | None = None) -> list[Stream]:
-    """Run len(rngs) streams of `task` together (one KV cache, each row only growing): at each step render every
-    stream's context + query, feed what is new, walk the label trie deciding at each branching node with that
-    stream's rng, reward the label, add the episode to its history."""
+                     group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None
+                     ) -> list[Stream]:
+    """Run len(rngs) streams of `task` together: at each step render every stream's context (`context`: which
+    past steps it shows; default naive, all of them) + query, walk the label trie deciding at each branching node
+    with that stream's rng, reward the label, add the episode to its history. Naive streams share one KV cache in
+    which each row only grows; explorative steps start a fresh one (their contexts are new subsets)."""
     if temperature <= 0:
         raise UserError("stream rollouts sample their answers: the temperature must be > 0")
+    context = context or NaiveStreamContext()
     policy.eval()
     tokens: Tokens = policy.tokens
     template = task.template
@@ -179,60 +236,50 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     head = policy.causal_lm.lm_head
     n = len(rngs)
     max_tokens = max_tokens or policy.context_window
+    # explorative: each stream's context draws come from its own rng (drawn once, before its decoding draws)
+    selectors = ([Explorative(max_examples=len(task.queries), seed=int(rng.integers(2**31)), p_keep=context.p_keep)
+                  for rng in rngs] if context.kind == "explorative" else None)
     cache = BatchedCache(policy, n)
     histories: list[list[EpisodeRecord]] = [[] for _ in range(n)]
     fed: list[list[int]] = [[] for _ in range(n)]
+    sequences: list[list[list[int]]] = [[] for _ in range(n)]
     steps: list[list[StreamStep]] = [[] for _ in range(n)]
     for t, example in enumerate(task.queries):
         news = []
         for g in range(n):
-            context, user_open = render_context(tokens, template, histories[g], STREAM_VIEW)
-            prompt = list(context) + render_query(tokens, template, example.text, user_open)
-            if prompt[:len(fed[g])] != fed[g]:  # the chat rendering must be concatenative (chat.Conversation)
-                raise RuntimeError("a stream's context is not an extension of its previous context")
+            shown = (histories[g] if selectors is None
+                     else [histories[g][i] for i in selectors[g].select(histories[g], t)])
+            context_ids, user_open = render_context(tokens, template, shown, STREAM_VIEW)
+            prompt = list(context_ids) + render_query(tokens, template, example.text, user_open)
             if len(prompt) + trie.max_depth > max_tokens:
                 raise UserError(f"a stream of {len(task.queries)} steps outgrows the {max_tokens}-token window at "
                                 f"step {t}: use fewer ppo.stream.steps")
-            news.append(prompt[len(fed[g]):])
+            if selectors is None:
+                if prompt[:len(fed[g])] != fed[g]:  # the chat rendering must be concatenative (chat.Conversation)
+                    raise RuntimeError("a stream's context is not an extension of its previous context")
+                news.append(prompt[len(fed[g]):])
+            else:
+                news.append(prompt)
             fed[g] = prompt
+        if selectors is not None:
+            cache = BatchedCache(policy, n)
         hidden = cache.feed(news, logits=False)                       # (n, H): every row fed its prompt
         starts = [len(ids) for ids in fed]
-        node = [ROOT] * n
-        answer: list[list[int]] = [[] for _ in range(n)]
-        decisions: list[list[Decision]] = [[] for _ in range(n)]
-        active = list(range(n))
-        while active:
-            branching = [g for g in active if len(trie.children[node[g]]) > 1]
-            choice = {g: 0 for g in active}
-            if branching:
-                kids = [trie.children[node[g]] for g in branching]
-                width = max(len(k) for k in kids)
-                cand = torch.tensor([[trie.token[c] for c in k] + [trie.token[k[0]]] * (width - len(k))
-                                     for k in kids], dtype=torch.long)
-                logits = restricted_logits(head, hidden[branching], cand).cpu()
-                for g, ks, row in zip(branching, kids, logits):
-                    values = row[:len(ks)].double().numpy()
-                    pick = sample_child(values, temperature, rngs[g])
-                    prob = float(child_distribution(values, temperature)[pick])
-                    choice[g] = pick
-                    decisions[g].append(Decision(starts[g] + len(answer[g]) - 1, tuple(trie.token[c] for c in ks),
-                                                 pick, math.log(prob)))
-            for g in active:
-                node[g] = trie.children[node[g]][choice[g]]
-                answer[g].append(trie.token[node[g]])
-            active = [g for g in active if not trie.is_leaf(node[g])]
-            if active:  # the chosen tokens enter the cache; finished rows feed padding
-                out = cache.feed([[answer[g][-1]] if g in active else [] for g in range(n)], logits=False)
-                for row, g in enumerate(active):
-                    hidden[g] = out[row]
+        answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, rngs, temperature, starts)
         for g in range(n):
-            label = labels[trie.label_of_leaf[node[g]]]
+            label = labels[trie.label_of_leaf[leaf[g]]]
             reward = int(label == example.label)
             record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
-            steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g]))
             histories[g].append(record)
-            fed[g] = fed[g] + answer[g][:-1]  # the cache holds these; the end of turn comes with the next block
-    return [Stream(task, group, fed[g] + [steps[g][-1].answer_ids[-1]], steps[g]) for g in range(n)]
+            if selectors is None:
+                steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g]))
+                fed[g] = fed[g] + answer[g][:-1]  # the cache holds these; the end of turn comes with the next block
+            else:
+                steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g], sequence=t))
+                sequences[g].append(fed[g] + answer[g])
+    if selectors is None:
+        sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]
+    return [Stream(task, group, sequences[g], steps[g]) for g in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,13 +347,17 @@ def teacher_logprobs(policy, streams: Sequence[Stream], temperature: float) -> t
 
 @dataclass
 class StreamBatch:
-    """Padded streams. input_ids, attention_mask (B, L); per decision (B, A): positions (index of the token whose
-    output predicts the decided token), chosen (index into the candidates), action_step (step of the decision),
-    behaviour_logp, action_mask; candidates, candidate_mask (B, A, K); per step (B, T): value_positions (last
-    prompt token), rewards, answer_actions (decisions of the step), step_mask; groups (B,)."""
+    """Padded streams. Token rows: input_ids, attention_mask (R, L), row_stream (R,) the stream of each row (a
+    naive stream is one row, an explorative one a row per step). Per decision (B, A): action_row (its row),
+    positions (index in that row of the token whose output predicts the decided token), chosen (index into the
+    candidates), action_step (step of the decision), behaviour_logp, action_mask; candidates, candidate_mask
+    (B, A, K). Per step (B, T): step_row, value_positions (last prompt token), rewards, answer_actions (decisions
+    of the step), step_mask. groups (B,)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    row_stream: torch.Tensor
+    action_row: torch.Tensor
     positions: torch.Tensor
     candidates: torch.Tensor
     candidate_mask: torch.Tensor
@@ -314,6 +365,7 @@ class StreamBatch:
     action_step: torch.Tensor
     behaviour_logp: torch.Tensor
     action_mask: torch.Tensor
+    step_row: torch.Tensor
     value_positions: torch.Tensor
     rewards: torch.Tensor
     answer_actions: torch.Tensor
@@ -321,31 +373,48 @@ class StreamBatch:
     groups: torch.Tensor
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        """The number of streams."""
+        return self.positions.shape[0]
 
     def select(self, index: torch.Tensor) -> StreamBatch:
-        """Rows `index`, trimmed to their longest sequence and decision count."""
-        length = int(self.attention_mask[index].sum(1).max())
+        """Streams `index` (in that order) and their rows, trimmed to their longest row and decision count."""
+        index = index.long()
+        rows = torch.nonzero(torch.isin(self.row_stream, index)).squeeze(1)
+        new_row = torch.full((len(self.row_stream),), -1, dtype=torch.long)
+        new_row[rows] = torch.arange(len(rows))
+        new_stream = torch.full((len(self),), -1, dtype=torch.long)
+        new_stream[index] = torch.arange(len(index))
+        length = int(self.attention_mask[rows].sum(1).max())
         actions = max(int(self.action_mask[index].sum(1).max()), 1)
         return StreamBatch(
-            self.input_ids[index, :length], self.attention_mask[index, :length], self.positions[index, :actions],
+            self.input_ids[rows, :length], self.attention_mask[rows, :length], new_stream[self.row_stream[rows]],
+            new_row[self.action_row[index, :actions]], self.positions[index, :actions],
             self.candidates[index, :actions], self.candidate_mask[index, :actions], self.chosen[index, :actions],
             self.action_step[index, :actions], self.behaviour_logp[index, :actions],
-            self.action_mask[index, :actions], self.value_positions[index], self.rewards[index],
-            self.answer_actions[index], self.step_mask[index], self.groups[index])
+            self.action_mask[index, :actions], new_row[self.step_row[index]], self.value_positions[index],
+            self.rewards[index], self.answer_actions[index], self.step_mask[index], self.groups[index])
 
 
 def collate_streams(streams: Sequence[Stream], pad_id: int) -> StreamBatch:
-    """Right-pad streams into a StreamBatch. A padded decision gets one valid dummy candidate so its
-    (masked-out) log-softmax stays finite."""
+    """Right-pad streams' sequences into rows of a StreamBatch. A padded decision gets one valid dummy candidate
+    so its (masked-out) log-softmax stays finite; padded decisions and steps point at their stream's first row."""
     batch = len(streams)
-    length = max(len(s.input_ids) for s in streams)
+    first_row = [0]
+    for stream in streams:
+        first_row.append(first_row[-1] + len(stream.sequences))
+    sequences = [ids for stream in streams for ids in stream.sequences]
+    length = max(len(ids) for ids in sequences)
     n_steps = max(len(s.steps) for s in streams)
     flat = [[(t, d) for t, step in enumerate(s.steps) for d in step.decisions] for s in streams]
     n_actions = max(max(len(f) for f in flat), 1)
     width = max((len(d.candidates) for f in flat for _, d in f), default=1)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), length), dtype=torch.long)
+    for r, ids in enumerate(sequences):
+        input_ids[r, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention[r, :len(ids)] = 1
+    row_stream = torch.tensor([b for b, stream in enumerate(streams) for _ in stream.sequences], dtype=torch.long)
+    action_row = torch.tensor(first_row[:-1], dtype=torch.long)[:, None].repeat(1, n_actions)
     positions = torch.zeros((batch, n_actions), dtype=torch.long)
     candidates = torch.zeros((batch, n_actions, width), dtype=torch.long)
     candidate_mask = torch.zeros((batch, n_actions, width), dtype=torch.bool)
@@ -354,15 +423,15 @@ def collate_streams(streams: Sequence[Stream], pad_id: int) -> StreamBatch:
     action_step = torch.zeros((batch, n_actions), dtype=torch.long)
     behaviour = torch.zeros((batch, n_actions))
     action_mask = torch.zeros((batch, n_actions), dtype=torch.bool)
+    step_row = torch.tensor(first_row[:-1], dtype=torch.long)[:, None].repeat(1, n_steps)
     value_positions = torch.zeros((batch, n_steps), dtype=torch.long)
     rewards = torch.zeros((batch, n_steps))
     answer_actions = torch.zeros((batch, n_steps))
     step_mask = torch.zeros((batch, n_steps), dtype=torch.bool)
     for b, stream in enumerate(streams):
-        input_ids[b, :len(stream.input_ids)] = torch.tensor(stream.input_ids, dtype=torch.long)
-        attention[b, :len(stream.input_ids)] = 1
         for a, (t, decision) in enumerate(flat[b]):
             k = len(decision.candidates)
+            action_row[b, a] = first_row[b] + stream.steps[t].sequence
             positions[b, a] = decision.position
             candidates[b, a, :k] = torch.tensor(decision.candidates, dtype=torch.long)
             candidate_mask[b, a, :k] = True
@@ -371,27 +440,28 @@ def collate_streams(streams: Sequence[Stream], pad_id: int) -> StreamBatch:
             behaviour[b, a] = decision.logp
             action_mask[b, a] = True
         for t, step in enumerate(stream.steps):
+            step_row[b, t] = first_row[b] + step.sequence
             value_positions[b, t] = step.answer_start - 1
             rewards[b, t] = step.reward
             answer_actions[b, t] = len(step.decisions)
             step_mask[b, t] = True
     groups = torch.tensor([s.group for s in streams], dtype=torch.long)
-    return StreamBatch(input_ids, attention, positions, candidates, candidate_mask, chosen, action_step, behaviour,
-                       action_mask, value_positions, rewards, answer_actions, step_mask, groups)
+    return StreamBatch(input_ids, attention, row_stream, action_row, positions, candidates, candidate_mask, chosen,
+                       action_step, behaviour, action_mask, step_row, value_positions, rewards, answer_actions,
+                       step_mask, groups)
 
 
 def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """ONE forward pass over the streams: (logp, entropy) of every decision under the constrained policy, each
-    (B, A), and V(s_t) per step (B, T) (None without a value head); zero where masked.
+    """ONE forward pass over the streams' rows: (logp, entropy) of every decision under the constrained policy,
+    each (B, A), and V(s_t) per step (B, T) (None without a value head); zero where masked.
 
         logp_j    = log softmax(z_j[children_j] / T)[chosen_j]
         entropy_j = -sum_k p_jk log p_jk  over the children"""
     empty = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
     _, values, hidden = policy.forward(batch.input_ids, batch.attention_mask, logits_at=empty,
-                                       with_values=with_values)
-    positions = batch.positions.to(hidden.device)
-    rows = hidden.gather(1, positions[:, :, None].expand(-1, -1, hidden.shape[-1]))  # (B, A, H)
+                                       with_values=with_values)                       # hidden (R, L, H)
+    rows = hidden[batch.action_row.to(hidden.device), batch.positions.to(hidden.device)]  # (B, A, H)
     n_batch, n_actions, width = batch.candidates.shape
     # The per-decision logits (B, A, K) come back to the CPU, where the losses on them run (autograd carries the
     # gradient back to the device): the heavy pass runs on the policy's device, the RL code is device-free.
@@ -406,7 +476,7 @@ def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: 
     maskf = batch.action_mask.to(logp.dtype)
     value = None
     if values is not None:
-        value = values.cpu().gather(1, batch.value_positions) * batch.step_mask.to(values.dtype)
+        value = values.cpu()[batch.step_row, batch.value_positions] * batch.step_mask.to(values.dtype)
     return logp * maskf, entropy * maskf, value
 
 

@@ -302,3 +302,14 @@ def test_group_objectives_need_stream_rollouts():
     with pytest.raises(ConfigError, match=r"ppo.objective.clip_range: unknown key; allowed keys here: clip_high"):
         load_config(None, ["ppo.mode=stream", "ppo.objective.kind=grpo", "ppo.objective.clip_range=0.1"],
                     environ={})
+
+
+def test_stream_context_is_a_variant_and_hindsight_couples_need_the_naive_view():
+    cfg = load_config(None, ["ppo.mode=stream", "ppo.stream.context={kind: explorative, p_keep: 0.3}"], environ={})
+    assert cfg.ppo.stream.context.kind == "explorative" and cfg.ppo.stream.context.p_keep == 0.3
+    assert load_config(None, [], environ={}).ppo.stream.context.kind == "naive"
+    with pytest.raises(ConfigError, match=r"ppo.stream.context.p_keep.*greater than 0"):
+        load_config(None, ["ppo.stream.context={kind: explorative, p_keep: 0}"], environ={})
+    with pytest.raises(ConfigError, match=r"dpo.mine_hindsight renders each stream .* set "
+                                          r"dpo.stream.context.kind=naive"):
+        load_config(None, ["dpo.mine_hindsight=true", "dpo.stream.context.kind=explorative"], environ={})

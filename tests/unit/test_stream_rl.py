@@ -82,6 +82,26 @@ def test_every_objective_updates_the_policy_from_streams(policy, kind):
     assert all(torch.isfinite(v).all() for v in after.values())  # padded candidates must not poison gradients
 
 
+@pytest.mark.parametrize("kind", ["ppo", "rloo"])
+def test_explorative_context_streams_train_with_their_own_rows(policy, kind):
+    """ppo.stream.context explorative: each step is its own row; pi_old from the one pass equals the generation's
+    log-probs, and the update (with the value head for ppo) moves the adapter."""
+    cfg = PPOConfig(mode="stream", objective={"kind": kind}, epochs=2, minibatch_size=3, batch_size=6,
+                    stream={"steps": 4, "group_size": 3, "groups": 2, "context": {"kind": "explorative",
+                                                                                  "p_keep": 0.7}},
+                    learning_rate=1e-2, kl_beta=0.05, temperature=1.0)
+    fresh(policy)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, resolve_sources(DATA, 0), DATA, cfg, cfg.kl_beta, 0, 1,
+                          iteration_generator(0, 1), 2048)
+    assert 0.0 <= metrics["mean_reward"] <= 1.0 and math.isfinite(metrics["loss"])
+    assert math.isfinite(metrics["explained_variance"]) == (kind == "ppo")
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
 def test_context_distillation_shapes_the_reward_with_the_teacher(policy):
     """ppo.distill: the teacher pass runs, the advantages come from the distillation reward, the task accuracy
     stays the task's, and the update moves the adapter."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from icrl_core.config import DataConfig, LoraAdapter, SyntheticSource
+from icrl_core.config import DataConfig, ExplorativeStreamContext, LoraAdapter, SyntheticSource
 from icrl_core.dataset_build import resolve_sources
 from icrl_core.icrl_eval import Predictor, label_distribution, render_context, render_query
 from icrl_core.kernels import PrefixCache
@@ -186,3 +186,82 @@ def test_the_teacher_scores_each_answer_as_the_harness_would_after_the_gold_labe
     # the gold label, so their probabilities differ somewhere
     student = torch.tensor([[s.logp for s in stream.steps] for stream in streams])
     assert not torch.allclose(teacher, student, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Explorative streams (ppo.stream.context.kind=explorative): each step its own context, rewarded steps only
+
+EXPLORATIVE = ExplorativeStreamContext(p_keep=0.6)
+
+
+@pytest.fixture(scope="module")
+def explorative_streams(policy, task):
+    return generate_streams(policy, task, [stream_rng(0, 2, 0, g) for g in range(3)], temperature=1.5,
+                            context=EXPLORATIVE)
+
+
+def test_an_explorative_step_sees_a_subset_of_the_rewarded_past_steps_in_time_order(policy, task,
+                                                                                    explorative_streams):
+    tokens = policy.tokens
+    shown_counts = []
+    for stream in explorative_streams:
+        assert len(stream.sequences) == len(stream.steps) == STEPS
+        past = []
+        for t, step in enumerate(stream.steps):
+            prompt = stream.context_ids(t)
+            # some subset of the rewarded past steps, in time order, renders exactly this prompt
+            rewarded = [r for r in past if r.reward]
+            matches = []
+            for mask in range(2 ** len(rewarded)):
+                subset = [r for i, r in enumerate(rewarded) if mask >> i & 1]
+                context, user_open = render_context(tokens, task.template, subset, STREAM_VIEW)
+                if list(context) + render_query(tokens, task.template, task.queries[t].text, user_open) == prompt:
+                    matches.append(len(subset))
+            assert len(matches) == 1
+            shown_counts.append((matches[0], len(rewarded)))
+            assert stream.sequences[t] == prompt + list(step.answer_ids) and step.sequence == t
+            assert "is wrong" not in tokens.decode(prompt)
+            past.append(step.record)
+    # p_keep 0.6: some rewarded steps are left out, some are shown
+    assert any(0 < shown < total for shown, total in shown_counts) or \
+        sum(shown for shown, _ in shown_counts) < sum(total for _, total in shown_counts)
+    assert sum(shown for shown, _ in shown_counts) > 0
+
+
+def test_explorative_streams_are_reproducible_and_batched_equals_alone(policy, task, explorative_streams):
+    for g, together in enumerate(explorative_streams):
+        alone, = generate_streams(policy, task, [stream_rng(0, 2, 0, g)], temperature=1.5, context=EXPLORATIVE)
+        assert alone.sequences == together.sequences
+        assert np.allclose([s.logp for s in alone.steps], [s.logp for s in together.steps], atol=1e-4)
+
+
+def test_one_pass_over_explorative_and_naive_rows_gives_the_generation_logprobs(policy, streams,
+                                                                                explorative_streams):
+    mixed = [explorative_streams[0], streams[0], explorative_streams[1]]
+    batch = collate_streams(mixed, policy.tokenizer.pad_token_id)
+    assert batch.input_ids.shape[0] == 2 * STEPS + 1 and len(batch) == 3
+    assert batch.row_stream.tolist() == [0] * STEPS + [1] + [2] * STEPS
+    with torch.no_grad():
+        logp, _, values = stream_outputs(policy, batch, temperature=1.5, with_values=True)
+    mask = batch.action_mask
+    # the naive stream was decoded at T 1.0: only the explorative rows' log-probs are at this temperature
+    for b in (0, 2):
+        assert torch.allclose(logp[b][mask[b]], batch.behaviour_logp[b][mask[b]], atol=1e-4)
+    assert values.shape == (3, STEPS)
+    part = batch.select(torch.tensor([2, 1]))
+    assert sorted(part.row_stream.tolist()) == [0] * STEPS + [1] and len(part) == 2
+    with torch.no_grad():
+        sub, _, sub_values = stream_outputs(policy, part, temperature=1.5, with_values=True)
+    n = int(part.action_mask[0].sum())
+    assert torch.allclose(sub[0, :n], logp[2, :n], atol=1e-5)
+    assert torch.allclose(sub_values[0], values[2], atol=1e-5) and torch.allclose(sub_values[1], values[1], atol=1e-5)
+    # the value of an explorative step is read at its own row's last prompt token: rows differ per step
+    assert len(set(part.step_row[0].tolist())) == STEPS
+
+
+def test_preference_pairs_of_explorative_streams_use_each_steps_own_context(policy, explorative_streams):
+    pairs = mine_preference_pairs(explorative_streams, policy.tokens)
+    wrong = [(st, t) for st in explorative_streams for t, s in enumerate(st.steps) if not s.record.reward]
+    assert len(pairs) == len(wrong) > 0
+    for pair, (stream, t) in zip(pairs, wrong):
+        assert pair.prompt_ids == tuple(stream.sequences[t][:stream.steps[t].answer_start])

@@ -51,3 +51,23 @@ def test_stream_behaviour_separates_a_copier_from_a_reader(tmp_path):
     assert copier["answers"] == {"a": 4, "b": 0} and copier["right_per_gold"] == {"a": [2, 2], "b": [0, 2]}
     reader = steps([("b", "a"), ("b", "b"), ("b", "b"), ("a", "b"), ("a", "a")])
     assert reader["repeat_after_wrong"] == 0.0 and reader["repeat_after_right"] == 1.0
+
+
+def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy():
+    """Setting 15's gate E (collect_gate_e.py, addendum 19) on the development seed."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "experiments" / "icrl_stream_rl"))
+    spec = importlib.util.spec_from_file_location("collect_gate_e",
+                                                  ROOT / "experiments" / "icrl_stream_rl" / "collect_gate_e.py")
+    gate_e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate_e)
+
+    def runs(train: float, test: float) -> dict:
+        return {"trained-explorative": {"train_accuracy": 0.30 + train, "test_accuracy": {"0": 0.2, "499": 0.4 + test}},
+                "start-explorative": {"train_accuracy": 0.30, "test_accuracy": {"0": 0.2, "499": 0.4}}}
+
+    assert gate_e.decision(runs(0.03, 0.0))["verdict"] == "passed"
+    assert gate_e.decision(runs(0.05, -0.005))["verdict"] == "failed"
+    assert gate_e.decision(runs(0.029, 0.10))["verdict"] == "failed"
+    assert gate_e.decision({"start-explorative": runs(0, 0)["start-explorative"]})["verdict"] == "pending"

@@ -92,6 +92,14 @@ class ModelConfig(Section):
               "and activation memory (bench/grpo_step.py); off by default so recorded runs reproduce bit for "
               "bit."),
     ] = False
+    gradient_checkpointing: Annotated[
+        bool,
+        Field(description="Training passes keep only each decoder layer's input and recompute the layer in the "
+              "backward pass: activation memory of one layer instead of all, for about a third more compute, "
+              "the same numbers. For passes with many tokens at once (explorative stream rows: T rows per "
+              "stream). Passes that fill or continue a KV cache (model.share_prefix's shared prefix) are not "
+              "recomputed."),
+    ] = False
     adapter: Adapter = Field(default_factory=LoraAdapter, description="What is trained: LoRA, last N blocks, none.")
     init_adapter: Annotated[
         Path | None,

@@ -233,6 +233,7 @@ class Policy:
     _tokens: Tokens | None = None
     right_padding_mask: bool = True  # model.right_padding_mask
     share_prefix: bool = False  # model.share_prefix
+    gradient_checkpointing: bool = False  # model.gradient_checkpointing
 
     @property
     def tokens(self) -> Tokens:
@@ -386,7 +387,12 @@ class Policy:
         if (not self.right_padding_mask and attention_mask is not None and not kwargs.keys() & CACHED_PASS
                 and right_padded(attention_mask)):
             attention_mask = None  # causal attention alone: real tokens come before a row's padding
-        out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        # a pass that continues or fills a KV cache is never recomputed: checkpointed layers drop the cache
+        recompute = (self.gradient_checkpointing and torch.is_grad_enabled() and self.model.training
+                     and not kwargs.keys() & (CACHED_PASS | {"use_cache"}))
+        with recomputed_layers(self.causal_lm, recompute):
+            out = self.causal_lm.model(input_ids=input_ids, attention_mask=attention_mask,
+                                       **({"use_cache": False} if recompute else {}), **kwargs)
         hidden = out.last_hidden_state
         selected = hidden[logits_at] if logits_at is not None else hidden
         logits = self.causal_lm.lm_head(selected).float()
@@ -451,6 +457,31 @@ class Policy:
         for block in self._frozen_blocks.values():
             block.to(device)
         return self
+
+
+@contextlib.contextmanager
+def recomputed_layers(causal_lm: nn.Module, enabled: bool) -> Iterator[None]:
+    """model.gradient_checkpointing for one pass: the decoder layers keep only their inputs and run again in
+    the backward pass (torch.utils.checkpoint, non-reentrant), so a training pass holds one layer's activations
+    instead of all of them, for about a third more compute. The same numbers and gradients (the recompute runs
+    the same operations). The backward pass recomputes with the checkpoint's saved function, not this flag."""
+    if not enabled:
+        yield
+        return
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in causal_lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        layer.gradient_checkpointing = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = False
 
 
 def prefix_groups(input_ids: torch.Tensor, logits_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -523,11 +554,13 @@ def apply_adapter(model: nn.Module, adapter: Adapter,
 def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | None = None,
                 value_head: bool = False, cache_dir: Path | None = None, seed: int = 0,
                 init_adapter: Path | None = None, device: str = "auto", added_tokens: Sequence[str] = (),
-                right_padding_mask: bool = True, share_prefix: bool = False) -> Policy:
+                right_padding_mask: bool = True, share_prefix: bool = False,
+                gradient_checkpointing: bool = False) -> Policy:
     """Load a policy onto `device` (`resolve_device`). `adapter` defaults to no trainable part (evaluation).
     Everything is built and seeded on the CPU, then moved: the same initial numbers on every device.
     `added_tokens`: special tokens added to the vocabulary (`add_special_tokens`) and, under LoRA, trained with it
-    (the critic's joint-bin tokens, icrl_core/critic.py). `right_padding_mask`, `share_prefix`: model.*."""
+    (the critic's joint-bin tokens, icrl_core/critic.py). `right_padding_mask`, `share_prefix`,
+    `gradient_checkpointing`: model.*."""
     adapter = adapter or FrozenAdapter()
     base, tokenizer = load_base_model(spec, dtype, cache_dir, seed)
     token_ids = add_special_tokens(base, tokenizer, added_tokens) if added_tokens else []
@@ -536,7 +569,8 @@ def load_policy(spec: str = SMOLLM2, dtype: str = "float32", adapter: Adapter | 
         model, frozen = apply_adapter(base, adapter, token_ids if isinstance(adapter, LoraAdapter) else ())
         head = ValueHead(base.config.hidden_size) if value_head else None
     policy = Policy(model=model, tokenizer=tokenizer, adapter=adapter, spec=spec, value_head=head,
-                    _frozen_blocks=frozen, right_padding_mask=right_padding_mask, share_prefix=share_prefix)
+                    _frozen_blocks=frozen, right_padding_mask=right_padding_mask, share_prefix=share_prefix,
+                    gradient_checkpointing=gradient_checkpointing)
     if init_adapter is not None:
         policy.load_adapter(init_adapter)
     policy.to(resolve_device(device))
@@ -555,4 +589,5 @@ def policy_from_config(model_config, value_head: bool = False, seed: int = 0, ad
         adapter = (saved_adapter(init_adapter) if init_adapter is not None else None) or model_config.adapter
     return load_policy(model_config.spec, model_config.dtype, adapter, value_head,
                        model_config.cache_dir, seed, init_adapter, model_config.device,
-                       right_padding_mask=model_config.right_padding_mask, share_prefix=model_config.share_prefix)
+                       right_padding_mask=model_config.right_padding_mask, share_prefix=model_config.share_prefix,
+                       gradient_checkpointing=model_config.gradient_checkpointing)

@@ -255,3 +255,49 @@ def test_shared_prefix_pass_matches_the_full_pass():
     for name, grad in full[3].items():
         assert torch.allclose(grad, shared[3][name], atol=1e-5, rtol=1e-4), name
     assert policy_from_config(ModelConfig(spec="tiny", share_prefix=True)).share_prefix
+
+
+def test_gradient_checkpointing_keeps_the_gradients_and_saves_a_fraction_of_the_activations():
+    """model.gradient_checkpointing: a training pass saves only the layers' inputs for backward (the bytes autograd
+    keeps fall several-fold), the backward pass recomputes the layers, and logits and LoRA gradients are the same;
+    no-grad passes and cached passes are left alone."""
+    policy = policy_from_config(ModelConfig(spec="tiny", adapter=LoraAdapter(rank=4, alpha=8),
+                                            gradient_checkpointing=True))
+    assert policy.gradient_checkpointing
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    ids = torch.randint(5, 200, (3, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    policy.model.train()
+
+    def run(recompute: bool):
+        policy.gradient_checkpointing = recompute
+        policy.model.zero_grad()
+        saved = []
+        weights = {t.untyped_storage().data_ptr() for t in policy.model.parameters()}
+
+        def pack(tensor):  # activations only: the weights autograd keeps are the same either way
+            if tensor.untyped_storage().data_ptr() not in weights:
+                saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits, _, _ = policy.forward(ids, mask)
+        torch.log_softmax(logits, -1)[..., 7].sum().backward()
+        grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads, sum(saved)
+
+    try:
+        full_logits, full_grads, full_bytes = run(False)
+        logits, grads, recomputed_bytes = run(True)
+    finally:
+        policy.model.eval()
+    assert recomputed_bytes * 3 < full_bytes
+    assert torch.allclose(logits, full_logits, atol=1e-6)
+    assert grads.keys() == full_grads.keys() and len(grads) > 1
+    for name, grad in grads.items():
+        assert torch.allclose(grad, full_grads[name], atol=1e-6, rtol=1e-5), name
+    layers = [m for m in policy.causal_lm.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert layers and not any(m.gradient_checkpointing for m in layers)  # switched on for the pass only

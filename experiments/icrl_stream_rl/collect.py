@@ -70,6 +70,31 @@ def setting_row(run_dir: Path, probe: Path, description: str | None = None, loss
             **({"hindsight_loss": loss} if loss else {})}
 
 
+def forgetting_row(path: Path) -> dict:
+    """The forgetting measures of an adapter from a JSON of `tasks.evaluate.general_ability` for the base model and
+    the adapter (`{"seconds", "base", "trained"}`): the 1509-item probe (gate 3) and the greedy check (addendum 14's
+    `max_forgetting`), each as a paired change with its interval and McNemar p."""
+    from icrl_core.general_ability import paired_change
+
+    measured = json.loads(path.read_text())
+    base, trained = measured["base"], measured["trained"]
+
+    def paired(base_correct: list, trained_correct: list, base_accuracy: float, trained_accuracy: float) -> dict:
+        change = paired_change(base_correct, trained_correct)
+        return {"base": round(base_accuracy, 4), "trained": round(trained_accuracy, 4),
+                "change": round(change.change, 4), "ci95": [round(change.ci95_low, 4), round(change.ci95_high, 4)],
+                "became_correct": change.became_correct, "became_wrong": change.became_wrong,
+                "mcnemar_p": float(f"{change.mcnemar_p:.2g}")}
+
+    return {"measured_with": f"tasks.evaluate.general_ability ({path.name})",
+            "probe_1509_items": paired(base["probe"]["correct"], trained["probe"]["correct"],
+                                       base["probe"]["accuracy"], trained["probe"]["accuracy"]),
+            "greedy_197_questions": paired([a["correct"] for a in base["greedy"]["answers"]],
+                                           [a["correct"] for a in trained["greedy"]["answers"]],
+                                           base["greedy"]["accuracy"], trained["greedy"]["accuracy"]),
+            "wall": f"{measured['seconds']} s for both models"}
+
+
 def setting_order(name: str) -> tuple[int, str]:
     """'2' < '10a': settings sort by their number, then their letter."""
     digits = name.rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -86,6 +111,8 @@ def main() -> None:
                         help="NAME=TEXT: what the run continued, for the gate table (\"after setting 9's 20, ...\")")
     parser.add_argument("--hindsight-loss", action="append", default=[],
                         help="NAME=KIND: the setting's dpo.hindsight_loss (rank: its margin is logged per pair)")
+    parser.add_argument("--forgetting", action="append", default=[],
+                        help="NAME=ABILITY_JSON: the base model's and the adapter's general_ability measurements")
     args = parser.parse_args()
     out = HERE / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
@@ -102,6 +129,9 @@ def main() -> None:
     for item in args.lineage:
         name, text = item.split("=", 1)
         results["settings"][name]["lineage"] = text
+    for item in args.forgetting:
+        name, path = item.split("=", 1)
+        results["settings"][name]["forgetting"] = forgetting_row(Path(path))
     results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
     out.write_text(json.dumps(results, indent=2) + "\n")
     for name, s in results["settings"].items():

@@ -31,3 +31,8 @@ class EpisodeTooLongError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing files, truncated or corrupt."""
+
+
+class OutOfMemoryError(UserError):
+    """The machine ran low on memory while a stage trained and its workers were stopped. The stage's checkpoints
+    are kept: after freeing memory (or lowering the batch) a rerun resumes from the latest one."""

@@ -203,6 +203,32 @@ def _train_loop(loop_config: dict) -> None:
         ray.train.report({FINAL_KEY: "{}"})
 
 
+def memory_error(error: BaseException, stage: str, checkpoint_dir: Path):
+    """A `UserError` for a job Ray stopped because the node ran low on memory (its memory monitor kills workers,
+    and under Ray 2.56's policy the Train controller with them, so the job fails instead of restarting), else None.
+    Recognised by Ray's OutOfMemoryError anywhere in the chain or by the monitor's message in the error's text."""
+    import re
+
+    from icrl_core.errors import OutOfMemoryError
+
+    seen, chain = set(), error
+    texts = []
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        texts.append(f"{type(chain).__name__}: {chain}")
+        chain = chain.__cause__ or chain.__context__
+    text = "\n".join(texts)
+    if "OutOfMemoryError" not in text and "running low on memory" not in text:
+        return None
+    used = re.search(r"was ([\d.]+GB) used / ([\d.]+GB) limit", text)
+    where = f" ({used.group(1)} of {used.group(2)} in use)" if used else ""
+    return OutOfMemoryError(
+        f"stage '{stage}': Ray stopped its training job because the machine ran low on memory{where}. Its "
+        f"checkpoints are kept in {checkpoint_dir}: free memory (other jobs on the machine) or lower the memory a "
+        "step needs (model.gradient_checkpointing, a smaller batch or minibatch), then rerun the stage to resume "
+        "from the latest one.")
+
+
 def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoint_dir: Path,
                      tracker=None) -> dict:
     """Run `train_worker` (a module-level function) as a TorchTrainer job whose workers checkpoint into
@@ -251,7 +277,7 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoin
              "1 GPU each" if use_gpu else "no GPU", backend)
     result = trainer.fit()
     if result.error is not None:
-        raise result.error
+        raise memory_error(result.error, stage, checkpoint_dir) or result.error
     import json
 
     return json.loads(result.metrics.get(FINAL_KEY, "{}"))

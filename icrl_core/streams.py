@@ -451,21 +451,70 @@ def collate_streams(streams: Sequence[Stream], pad_id: int) -> StreamBatch:
                        step_mask, groups)
 
 
+def row_buckets(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Rows grouped for separate passes so that little of a pass is padding: rows sorted longest first, each
+    bucket taking the next row while its padded size (rows x its longest) stays within (1 + max_padding) x its
+    real tokens. -> lists of row indices (every row once)."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for r in order:
+        if current and (len(current) + 1) * lengths[current[0]] > (1 + max_padding) * (real + lengths[r]):
+            buckets.append(current)
+            current, real = [], 0
+        current.append(r)
+        real += lengths[r]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _row_states(policy, batch: StreamBatch, with_values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The hidden state at every decision's position, (B * A, H), and the value head at every step's value
+    position, (B * T,) (None without a value head), from forward passes over the rows: one pass over all of them
+    when each stream is one row (naive); when streams have several rows (explorative), one pass per `row_buckets`
+    bucket, which keeps padding (and its compute) low since explorative contexts vary in length."""
+    n_rows = batch.input_ids.shape[0]
+    lengths = batch.attention_mask.sum(1)
+    buckets = row_buckets(lengths.tolist()) if n_rows > len(batch) else [list(range(n_rows))]
+    action_row, positions = batch.action_row.reshape(-1), batch.positions.reshape(-1)
+    step_row, value_positions = batch.step_row.reshape(-1), batch.value_positions.reshape(-1)
+    states = values = None
+    for bucket in buckets:
+        index = torch.tensor(bucket)
+        length = int(lengths[index].max())
+        mask = batch.attention_mask[index, :length]
+        _, bucket_values, hidden = policy.forward(batch.input_ids[index, :length], mask,
+                                                  logits_at=torch.zeros_like(mask, dtype=torch.bool),
+                                                  with_values=with_values)              # hidden (r, l, H)
+        local = torch.full((n_rows,), -1, dtype=torch.long)
+        local[index] = torch.arange(len(bucket))
+        take = torch.nonzero(local[action_row] >= 0).squeeze(1)                      # decisions of these rows
+        part = hidden[local[action_row[take]].to(hidden.device), positions[take].to(hidden.device)]
+        if states is None:
+            states = hidden.new_zeros((len(action_row), hidden.shape[-1]))
+        states = states.index_copy(0, take.to(hidden.device), part)
+        if bucket_values is not None:
+            take = torch.nonzero(local[step_row] >= 0).squeeze(1)
+            part = bucket_values.cpu()[local[step_row[take]], value_positions[take]]
+            values = (torch.zeros(len(step_row), dtype=part.dtype) if values is None else values).index_copy(
+                0, take, part)
+    return states, values
+
+
 def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """ONE forward pass over the streams' rows: (logp, entropy) of every decision under the constrained policy,
-    each (B, A), and V(s_t) per step (B, T) (None without a value head); zero where masked.
+    """(logp, entropy) of every decision under the constrained policy, each (B, A), and V(s_t) per step (B, T)
+    (None without a value head); zero where masked. One forward pass over the streams' rows (`_row_states`).
 
         logp_j    = log softmax(z_j[children_j] / T)[chosen_j]
         entropy_j = -sum_k p_jk log p_jk  over the children"""
-    empty = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
-    _, values, hidden = policy.forward(batch.input_ids, batch.attention_mask, logits_at=empty,
-                                       with_values=with_values)                       # hidden (R, L, H)
-    rows = hidden[batch.action_row.to(hidden.device), batch.positions.to(hidden.device)]  # (B, A, H)
+    rows, values = _row_states(policy, batch, with_values)                            # (B * A, H), (B * T,)
     n_batch, n_actions, width = batch.candidates.shape
     # The per-decision logits (B, A, K) come back to the CPU, where the losses on them run (autograd carries the
     # gradient back to the device): the heavy pass runs on the policy's device, the RL code is device-free.
-    logits = restricted_logits(policy.causal_lm.lm_head, rows.reshape(n_batch * n_actions, -1),
+    logits = restricted_logits(policy.causal_lm.lm_head, rows,
                                batch.candidates.reshape(n_batch * n_actions, width)).cpu()
     logits = logits.view(n_batch, n_actions, width)
     logits = (logits / temperature).masked_fill(~batch.candidate_mask, float("-inf"))
@@ -476,7 +525,7 @@ def stream_outputs(policy, batch: StreamBatch, temperature: float, with_values: 
     maskf = batch.action_mask.to(logp.dtype)
     value = None
     if values is not None:
-        value = values.cpu()[batch.step_row, batch.value_positions] * batch.step_mask.to(values.dtype)
+        value = values.view(batch.step_row.shape) * batch.step_mask.to(values.dtype)
     return logp * maskf, entropy * maskf, value
 
 

@@ -265,3 +265,32 @@ def test_preference_pairs_of_explorative_streams_use_each_steps_own_context(poli
     assert len(pairs) == len(wrong) > 0
     for pair, (stream, t) in zip(pairs, wrong):
         assert pair.prompt_ids == tuple(stream.sequences[t][:stream.steps[t].answer_start])
+
+
+def test_explorative_rows_run_in_length_buckets_with_the_numbers_of_one_pass(policy, explorative_streams,
+                                                                               monkeypatch):
+    """Rows of varied length go through the forward pass in buckets of similar length (less padding); the
+    log-probs, values and gradients equal those of one pass over all rows."""
+    import icrl_core.streams as streams_module
+    from icrl_core.streams import row_buckets
+
+    assert row_buckets([10, 100, 95, 12, 11, 90]) == [[1, 2, 5], [3, 4, 0]]
+    assert row_buckets([50, 50, 50]) == [[0, 1, 2]] and row_buckets([7]) == [[0]]
+    batch = collate_streams(explorative_streams, policy.tokenizer.pad_token_id)
+    assert len(row_buckets(batch.attention_mask.sum(1).tolist())) > 1
+
+    def outputs():
+        policy.model.zero_grad(), policy.value_head.zero_grad()
+        logp, entropy, values = stream_outputs(policy, batch, temperature=1.5, with_values=True)
+        (logp.sum() + entropy.sum() + values.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+        return logp.detach(), values.detach(), grads
+
+    bucketed = outputs()
+    monkeypatch.setattr(streams_module, "row_buckets", lambda lengths, max_padding=0.25: [list(range(len(lengths)))])
+    single = outputs()
+    policy.model.zero_grad(set_to_none=True), policy.value_head.zero_grad(set_to_none=True)
+    assert torch.allclose(bucketed[0], single[0], atol=1e-5) and torch.allclose(bucketed[1], single[1], atol=1e-5)
+    assert bucketed[2].keys() == single[2].keys() and bucketed[2]
+    for name, grad in bucketed[2].items():
+        assert torch.allclose(grad, single[2][name], atol=1e-5, rtol=1e-4), name

@@ -113,3 +113,28 @@ def test_a_training_workers_rendezvous_store_listens_on_loopback_only(ray_sessio
 
     result = launch(_config(2), "bootstrap", listening_worker)
     assert result["listening"] and set(result["listening"]) <= set(LOOPBACK), result
+
+
+def test_a_job_stopped_for_memory_becomes_one_resumable_user_error(tmp_path):
+    """Ray's memory monitor kills a job's workers (and, since Ray 2.56, its Train controller): the stage ends
+    with one message naming the cause and the kept checkpoints, exit 2, not Ray's traceback. Other failures
+    pass through."""
+    from ray.exceptions import OutOfMemoryError as RayOutOfMemory
+
+    from icrl_core.errors import OutOfMemoryError, UserError
+    from tasks.ray_train import memory_error
+
+    monitor = ("Training failed due to controller error:\n4 worker(s) were killed due to the node running low on "
+               "memory. Memory on the node (IP: 127.0.0.1, ID: 455d) was 22.52GB used / 23.54GB limit (0.956442)")
+    error = memory_error(RuntimeError(monitor), "dpo", tmp_path / "dpo-123")
+    assert isinstance(error, OutOfMemoryError) and isinstance(error, UserError) and error.exit_code == 2
+    assert "stage 'dpo'" in str(error) and "22.52GB of 23.54GB in use" in str(error)
+    assert str(tmp_path / "dpo-123") in str(error) and "rerun the stage to resume" in str(error)
+    try:  # Ray's own exception, raised from inside a wrapper
+        try:
+            raise RayOutOfMemory("Task was killed due to the node running low on memory.")
+        except RayOutOfMemory as inner:
+            raise RuntimeError("worker group failed") from inner
+    except RuntimeError as outer:
+        assert isinstance(memory_error(outer, "ppo", tmp_path), OutOfMemoryError)
+    assert memory_error(RuntimeError("a worker raised ValueError"), "ppo", tmp_path) is None

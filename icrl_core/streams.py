@@ -239,7 +239,7 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     # explorative: each stream's context draws come from its own rng (drawn once, before its decoding draws)
     selectors = ([Explorative(max_examples=len(task.queries), seed=int(rng.integers(2**31)), p_keep=context.p_keep)
                   for rng in rngs] if context.kind == "explorative" else None)
-    cache = BatchedCache(policy, n)
+    cache = BatchedCache(policy, n) if selectors is None else None  # explorative: a fresh one per step
     histories: list[list[EpisodeRecord]] = [[] for _ in range(n)]
     fed: list[list[int]] = [[] for _ in range(n)]
     sequences: list[list[list[int]]] = [[] for _ in range(n)]

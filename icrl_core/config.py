@@ -257,10 +257,16 @@ class OptimFields(Section):
                                      "steps.")] = 20
 
 
+# The policy a KL term or an implicit reward is measured against: "base" = the model with its adapters disabled,
+# "start" = the adapter the stage started from, frozen (Policy.freeze_reference; LoRA only).
+ReferencePolicy = Literal["base", "start"]
+
+
 class ReplayConfig(Section):
     """General-chat replay during training (icrl_core/replay.py): a KL(policy || reference)
     term on plain chats whose replies the base model sampled, so training the in-context RL format leaves
-    ordinary replies alone. The reference is the base model (dpo with reference=start: the start adapter).
+    ordinary replies alone. The reference is the stage's reference policy: the base model, or the start adapter
+    with ppo.reference / dpo.reference = start.
     Available in the bootstrap, ppo and dpo stages."""
 
     beta: Annotated[float, Field(ge=0, description="Weight of the replay KL term (token mean over reply "
@@ -455,6 +461,11 @@ class PPOConfig(OptimFields):
                                          "pass).")] = 4
     kl_beta: Annotated[float, Field(ge=0, description="Per-token KL penalty coefficient to the reference "
                                     "policy (the initial value when kl_control is adaptive).")] = 0.01
+    reference: ReferencePolicy = Field("base", description="The reference policy of the KL penalty and of "
+                                       "ppo.replay: base (the adapters disabled) or start (the adapter the run "
+                                       "starts from, ppo.init_adapter, frozen: the KL then holds the policy near "
+                                       "the bootstrap instead of pulling it back toward the base model; LoRA "
+                                       "only).")
     kl_control: KLControl = Field(default_factory=FixedKL, description="Fixed or adaptive KL coefficient.")
     entropy_beta: Annotated[float, Field(ge=0, description="Entropy bonus coefficient.")] = 0.01
     epsilon_mixture: Annotated[float, Field(ge=0, lt=1, description="Probability that a generated token is drawn "
@@ -566,9 +577,10 @@ class DPOConfig(OptimFields):
                                           "task's labels swapped), and each later query whose right answer "
                                           "flips with it gives a pair in the real and in the renamed context; "
                                           "DPO on the constrained decision where the two labels part.")] = False
-    reference: Annotated[Literal["base", "start"], Field(description="The reference policy of the DPO/IPO "
-                         "losses: base (the adapters disabled) or start (the adapter the run starts from, frozen: "
-                         "every pair's margin starts at 0 when DPO starts from the bootstrap; LoRA only).")] = "base"
+    reference: ReferencePolicy = Field("base", description="The reference policy of the DPO/IPO losses (and of "
+                                       "dpo.replay): base (the adapters disabled) or start (the adapter the run "
+                                       "starts from, frozen: every pair's margin starts at 0 when DPO starts "
+                                       "from the bootstrap; LoRA only).")
     hindsight_loss: Annotated[Literal["dpo", "contrast", "rank", "rank_contrast"], Field(description="Loss of the hindsight "
                               "couples: dpo (each pair against the reference, dpo.reference), contrast "
                               "(reference-free, per couple: -log sigmoid(beta (margin in the real world + margin "

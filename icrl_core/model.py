@@ -266,8 +266,8 @@ class Policy:
         every pair's implicit reward margin then starts at 0. The copies are not model parameters: checkpoints
         and saved adapters hold the trained weights only."""
         if not isinstance(self.adapter, LoraAdapter):
-            raise UserError("a reference frozen at the start adapter (dpo.reference=start) needs "
-                            "model.adapter.kind=lora")
+            raise UserError("a reference frozen at the start adapter (ppo.reference or dpo.reference = start) "
+                            "needs model.adapter.kind=lora")
         frozen = []
         for module in self.model.modules():
             for name in ("lora_A", "lora_B"):

@@ -56,6 +56,8 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
         # every worker must run the same number of minibatches: gradient averaging is a collective
         raise UserError(f"{what}={per_step} must be a multiple of the number of data-parallel workers "
                         f"({world_size()})")
+    if cfg.reference == "start":  # before the loop restores a checkpoint: the reference is where the run began
+        policy.freeze_reference()
     optimizer, scheduler = make_optimizer(policy, cfg)
     replay_on = replay_enabled(replay, cfg.replay)
 

@@ -12,7 +12,7 @@ from icrl_core.config import LoraAdapter, PPOConfig
 from icrl_core.dataset_build import resolve_sources
 from icrl_core.ppo import trainable_tensors, zero_value_head
 from tasks.settings import load_config
-from tests.conftest import Killed, MemoryRuntime
+from tests.conftest import Killed, MemoryRuntime, perturb_lora_b
 from tests.unit.test_stream_rl import DATA, fresh
 
 
@@ -103,6 +103,32 @@ def test_stream_training_with_replay_holds_the_replies_and_resumes_exactly(polic
     fresh(policy)
     train(cfg, MemoryRuntime(saved))
     assert all(bool((weights[k] == v).all()) for k, v in trainable_tensors(policy).items())
+
+
+def test_reference_start_holds_the_kl_to_the_start_adapter_also_after_a_resume():
+    """ppo.reference=start: the KL is measured against the adapter the run started from (zero at the first
+    iteration's rollouts, positive once the policy moved); reference=base measures it against the adapters
+    disabled. A resumed run freezes the start adapter, not the checkpoint it restores: the same history."""
+    from icrl_core.model import load_policy
+    from icrl_core.policy_optimization import train_ppo
+
+    def started(reference: str, runtime):
+        policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
+        zero_value_head(policy)
+        perturb_lora_b(policy, 0.05)  # the start adapter differs from the base model
+        cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, max_steps=2, save_steps=1, eval_steps=2,
+                        stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=1,
+                        minibatch_size=2, batch_size=4, learning_rate=3e-2, kl_beta=0.1, reference=reference)
+        return train_ppo(policy, [], [], cfg, 0, runtime, 2048, None, (resolve_sources(DATA, 0), DATA))[1]
+
+    history = started("start", MemoryRuntime())
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6) and history[1]["kl"] > 1e-4
+    assert started("base", MemoryRuntime())[0]["kl"] > 1e-3
+    saved: list = []
+    with pytest.raises(Killed):
+        started("start", MemoryRuntime(saved, kill_after=1))
+    resumed = started("start", MemoryRuntime(saved))
+    assert resumed[1]["kl"] == pytest.approx(history[1]["kl"], rel=1e-5)
 
 
 TINY_STREAMS = [

@@ -112,18 +112,17 @@ def test_reference_start_holds_the_kl_to_the_start_adapter_also_after_a_resume()
     from icrl_core.model import load_policy
     from icrl_core.policy_optimization import train_ppo
 
-    def started(reference: str, runtime):
-        policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4), value_head=True)
-        zero_value_head(policy)
+    def started(reference: str, runtime, max_steps: int = 2):
+        policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
         perturb_lora_b(policy, 0.05)  # the start adapter differs from the base model
-        cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, max_steps=2, save_steps=1, eval_steps=2,
-                        stream={"steps": 3, "group_size": 2, "groups": 2, "eval_groups": 1}, epochs=1,
-                        minibatch_size=2, batch_size=4, learning_rate=3e-2, kl_beta=0.1, reference=reference)
+        cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, max_steps=max_steps, save_steps=1, eval_steps=9,
+                        stream={"steps": 3, "group_size": 2, "groups": 1, "eval_groups": 1}, epochs=1,
+                        minibatch_size=2, batch_size=2, learning_rate=3e-2, kl_beta=0.1, reference=reference)
         return train_ppo(policy, [], [], cfg, 0, runtime, 2048, None, (resolve_sources(DATA, 0), DATA))[1]
 
     history = started("start", MemoryRuntime())
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6) and history[1]["kl"] > 1e-4
-    assert started("base", MemoryRuntime())[0]["kl"] > 1e-3
+    assert started("base", MemoryRuntime(), max_steps=1)[0]["kl"] > 1e-3
     saved: list = []
     with pytest.raises(Killed):
         started("start", MemoryRuntime(saved, kill_after=1))

@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--hindsight-loss", action="append", default=[],
                         help="NAME=KIND: the setting's dpo.hindsight_loss (rank: its margin is logged per pair)")
     parser.add_argument("--forgetting", action="append", default=[],
-                        help="NAME=ABILITY_JSON: the base model's and the adapter's general_ability measurements")
+                        help="NAME=ABILITY_JSON: the base model's and the adapter's general_ability measurements "
+                             "(forgetting.py writes it)")
     args = parser.parse_args()
     out = HERE / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Issue 26's pre-registered runs (PREREGISTERED.md), each as written there, from the project's root:
+#   experiments/icrl_stream_rl/run.sh TARGET [TARGET ...]
+# Targets, run in the order given:
+#   bootstrap     the H32 bootstrap (experiments/icrl_skill.yaml: build_dataset, tokenize, bootstrap) unless done
+#   s14           setting 14 (addenda 14, 22): the dpo stage from the bootstrap, then its gate-1 probe and forgetting
+#   s15           setting 15 (addenda 19-21): RLOO on explorative-view streams, then gate E and its probe
+#   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
+#   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
+# Outputs: artifacts/<setting's output_dir>, runs/<target>/probe.json, runs/<target>/forgetting.json; collect them
+# with collect.py / collect_gate_e.py (REPORT.md). Each step is retried twice: a stage killed mid-run (Ray's memory
+# monitor, a crash) resumes from its last checkpoint. A session's files end with it: a run must fit in one.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export HF_HUB_OFFLINE=1 DO_NOT_TRACK=true DVC_NO_ANALYTICS=1 MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
+E=experiments/icrl_stream_rl
+ICRL=.venv/bin/icrl
+SKILL=(-c params.yaml -c experiments/icrl_skill.yaml)
+
+step() {  # step NAME COMMAND...: run, retried twice, timestamps in the log
+    local name=$1 try
+    shift
+    for try in 1 2 3; do
+        echo "== $(date -u +%FT%TZ) $name (try $try)"
+        if "$@"; then echo "== $(date -u +%FT%TZ) $name done"; return 0; fi
+    done
+    echo "== $name failed three times" >&2
+    exit 1
+}
+
+probe() {  # probe ADAPTER OUTPUT: gate 1's feedback probe (trec_coarse, target entity, 40 queries, seed 0, fp32)
+    mkdir -p "$(dirname "$2")"
+    step "probe $1" "$ICRL" probe-feedback --task trec_coarse --target entity --attempts 1 --attempts 4 \
+        --queries 40 --seed 0 --dtype float32 --threads 2 --adapter "$1" --output "$2" --no-progress
+}
+
+forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and the 1509-item probe, base and adapter
+    step "forgetting $1" .venv/bin/python "$E/forgetting.py" "$1" "$2"
+}
+
+for target in "$@"; do
+    case "$target" in
+        bootstrap)
+            if [[ -f metrics/bootstrap.json && -f artifacts/bootstrap/adapter/adapter_model.safetensors ]]; then
+                echo "== bootstrap: done before (artifacts/bootstrap/adapter)"
+            else
+                for stage in build_dataset tokenize bootstrap; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
+            fi ;;
+        s14)
+            step s14 "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
+                --set model.share_prefix=true
+            probe artifacts/dpo_one_stage/adapter runs/s14/probe.json
+            forgetting artifacts/dpo_one_stage/adapter runs/s14/forgetting.json ;;
+        s15)
+            step s15 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/explorative_streams.yaml
+            step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
+            probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
+        ablation-ppo|ablation-grpo|ablation-rloo)
+            arm=${target#ablation-}
+            step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/ablation_streams.yaml \
+                -c "$E/ablation_$arm.yaml" --set model.share_prefix=true
+            probe "artifacts/ablation_$arm/adapter" "runs/$target/probe.json" ;;
+        ablation-dpo_rank)
+            step "$target" "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
+                -c $E/ablation_dpo_rank.yaml --set model.share_prefix=true
+            probe artifacts/ablation_dpo_rank/adapter "runs/$target/probe.json" ;;
+        probe-bootstrap)
+            probe artifacts/bootstrap/adapter runs/bootstrap/probe.json ;;
+        *)
+            echo "run.sh: unknown target '$target' (bootstrap, s14, s15, ablation-{ppo,grpo,rloo,dpo_rank}," \
+                 "probe-bootstrap)" >&2
+            exit 2 ;;
+    esac
+done

@@ -2,7 +2,7 @@
 # Issue 26's pre-registered runs (PREREGISTERED.md), each as written there, from the project's root:
 #   experiments/icrl_stream_rl/run.sh TARGET [TARGET ...]
 # Targets, run in the order given:
-#   bootstrap     the H32 bootstrap (experiments/icrl_skill.yaml: build_dataset, tokenize, bootstrap) unless done
+#   bootstrap     the H32 bootstrap: its datasets, then the recorded adapter (adapters/bootstrap_h32) or training
 #   s14           setting 14 (addenda 14, 22): the dpo stage from the bootstrap, then its gate-1 probe and forgetting
 #   s15           setting 15 (addenda 19-21): RLOO on explorative-view streams, then gate E and its probe
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
@@ -40,11 +40,20 @@ forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and t
 
 for target in "$@"; do
     case "$target" in
-        bootstrap)
-            if [[ -f metrics/bootstrap.json && -f artifacts/bootstrap/adapter/adapter_model.safetensors ]]; then
-                echo "== bootstrap: done before (artifacts/bootstrap/adapter)"
+        bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
+            for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
+            if [[ -f artifacts/bootstrap/adapter/adapter_model.safetensors ]]; then
+                echo "== bootstrap: artifacts/bootstrap/adapter is there"
+            elif (cd $E/adapters/bootstrap_h32 && sha256sum --quiet -c SHA256SUMS); then
+                mkdir -p artifacts/bootstrap
+                rm -rf artifacts/bootstrap/adapter.tmp
+                mkdir artifacts/bootstrap/adapter.tmp
+                cp $E/adapters/bootstrap_h32/{adapter_config.json,adapter_model.safetensors,icrl_adapter.json} \
+                    artifacts/bootstrap/adapter.tmp/
+                mv artifacts/bootstrap/adapter.tmp artifacts/bootstrap/adapter
+                echo "== bootstrap: restored the recorded adapter ($E/adapters/bootstrap_h32)"
             else
-                for stage in build_dataset tokenize bootstrap; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
+                step bootstrap "$ICRL" stage bootstrap "${SKILL[@]}"
             fi ;;
         s14)
             step s14 "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \

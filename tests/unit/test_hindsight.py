@@ -119,7 +119,9 @@ def test_the_loss_trains_the_policy_to_read_the_feedback(policy, streams):
 
     trained = copy.deepcopy(policy)
     couples = hindsight_couples(streams, trained.tokens, [random.Random(i) for i in range(len(streams))])
-    optimizer = torch.optim.AdamW(trained.trainable_parameters(), lr=2e-2)
+    # lr 1e-2: at 2e-2 the 20 steps oscillate, and whether accuracy ends above its start depended on the CPU's
+    # fp32 kernels (AVX512: 23 -> 22 pairs right; AVX2: 23 -> 29); at 1e-2 both give 23 -> 33, couples 0 -> 12
+    optimizer = torch.optim.AdamW(trained.trainable_parameters(), lr=1e-2)
     first, before = couple_loss(trained, couples.worlds, beta=0.1)
     for _ in range(20):
         optimizer.zero_grad()

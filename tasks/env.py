@@ -21,6 +21,10 @@ DEFAULTS = {
     # Otherwise Ray listens on every interface even when given 127.0.0.1.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
+    # MKL's conditional numerical reproducibility: without it, fp32 matmuls on an AVX512/AMX CPU rounded differently
+    # from one run to the next (a forced bootstrap rerun changed one byte of the adapter; on AVX2 CPUs it did not),
+    # which breaks "a rerun or a resume gives the same weights". STRICT: whatever the arrays' memory alignment.
+    "MKL_CBWR": "AUTO,STRICT",
 }
 
 

@@ -7,6 +7,10 @@
 #   s15           setting 15 (addenda 19-21): RLOO on explorative-view streams, then gate E and its probe
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
+#   park          after stopping a run that cannot finish inside the session (addendum 23): copy each stage's latest
+#                 checkpoint (.icrl/checkpoints/<stage>-<config fingerprint>/step-N) to checkpoints/ beside this
+#                 script, to be committed; every training target first restores what is parked there, so the next
+#                 session's run resumes from it (the fingerprint in the folder name only matches the same settings); delete the parked folder once its run ends
 # Outputs: artifacts/<setting's output_dir>, runs/<target>/probe.json, runs/<target>/forgetting.json; collect them
 # with collect.py / collect_gate_e.py (REPORT.md). Each step is retried twice: a stage killed mid-run (Ray's memory
 # monitor, a crash) resumes from its last checkpoint. A session's files end with it: a run must fit in one.
@@ -38,6 +42,34 @@ forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and t
     step "forgetting $1" .venv/bin/python "$E/forgetting.py" "$1" "$2"
 }
 
+PARKED=$E/checkpoints
+
+unpark() {  # restore parked checkpoints that are not under .icrl/checkpoints yet
+    local parked
+    [[ -d $PARKED ]] || return 0
+    for parked in "$PARKED"/*/step-*; do
+        [[ -e $parked ]] || continue
+        local dest=.icrl/checkpoints/$(basename "$(dirname "$parked")")/$(basename "$parked")
+        if [[ ! -e $dest ]]; then
+            mkdir -p "$(dirname "$dest")"
+            cp -r "$parked" "$dest.tmp" && mv "$dest.tmp" "$dest"
+            echo "== restored the parked checkpoint $dest"
+        fi
+    done
+}
+
+park() {  # the latest checkpoint of every stage under .icrl/checkpoints -> $PARKED (replacing older parked ones)
+    local run latest
+    for run in .icrl/checkpoints/*/; do
+        latest=$(ls -d "$run"step-* 2>/dev/null | sort | tail -1)
+        [[ -n $latest ]] || continue
+        rm -rf "$PARKED/$(basename "$run")"
+        mkdir -p "$PARKED/$(basename "$run")"
+        cp -r "$latest" "$PARKED/$(basename "$run")/"
+        echo "== parked $latest in $PARKED/$(basename "$run"): commit it"
+    done
+}
+
 for target in "$@"; do
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
@@ -56,28 +88,34 @@ for target in "$@"; do
                 step bootstrap "$ICRL" stage bootstrap "${SKILL[@]}"
             fi ;;
         s14)
+            unpark
             step s14 "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
                 --set model.share_prefix=true
             probe artifacts/dpo_one_stage/adapter runs/s14/probe.json
             forgetting artifacts/dpo_one_stage/adapter runs/s14/forgetting.json ;;
         s15)
+            unpark
             step s15 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
+            unpark
             arm=${target#ablation-}
             step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/ablation_streams.yaml \
                 -c "$E/ablation_$arm.yaml" --set model.share_prefix=true
             probe "artifacts/ablation_$arm/adapter" "runs/$target/probe.json" ;;
         ablation-dpo_rank)
+            unpark
             step "$target" "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
                 -c $E/ablation_dpo_rank.yaml --set model.share_prefix=true
             probe artifacts/ablation_dpo_rank/adapter "runs/$target/probe.json" ;;
         probe-bootstrap)
             probe artifacts/bootstrap/adapter runs/bootstrap/probe.json ;;
+        park)
+            park ;;
         *)
             echo "run.sh: unknown target '$target' (bootstrap, s14, s15, ablation-{ppo,grpo,rloo,dpo_rank}," \
-                 "probe-bootstrap)" >&2
+                 "probe-bootstrap, park)" >&2
             exit 2 ;;
     esac
 done

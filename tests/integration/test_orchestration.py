@@ -6,7 +6,8 @@
   -> MLflow and ends with a registered model version whose alias the real promotion gates decided; the
   promotion deployment takes no metric;
 - `dvc repro` again runs nothing; a bootstrap rerun that gives the same weights reruns nothing downstream;
-  `dvc exp run -S ppo.kl_beta=...` reruns only ppo and what depends on it;
+  `dvc exp run -S evaluate.forgetting_questions=...` reruns only evaluate and promote (an evaluation parameter:
+  no training stage's ~40 s of Ray start-up per run in the suite);
 - a two-worker Ray Train PPO job survives a killed worker by resuming from its checkpoint;
 - a Ray Tune sweep of 4 PPO trials logs 4 MLflow child runs under one parent.
 """
@@ -267,10 +268,10 @@ def test_a_bootstrap_rerun_with_the_same_weights_reruns_nothing_downstream(proje
 
 def test_dvc_exp_run_reruns_only_the_stages_that_depend_on_the_parameter(project):
     # the ppo branch's stages as targets: dvc.yaml also holds the dpo branch, which this pipeline never ran
-    result = _run([str(BIN / "dvc"), "exp", "run", "-S", "ppo.kl_beta=0.03", *PIPELINE], project)
+    result = _run([str(BIN / "dvc"), "exp", "run", "-S", "evaluate.forgetting_questions=4", *PIPELINE], project)
     output = result.stdout + result.stderr
     ran = {stage for stage in STAGES if f"Running stage '{stage}'" in output}
-    assert ran == {"ppo", "adapt", "evaluate", "promote"}, output[-3000:]
+    assert ran == {"evaluate", "promote"}, output[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@
 #   park          after stopping a run that cannot finish inside the session (addendum 23): copy each stage's latest
 #                 checkpoint (.icrl/checkpoints/<stage>-<config fingerprint>/step-N) to checkpoints/ beside this
 #                 script, to be committed; every training target first restores what is parked there, so the next
-#                 session's run resumes from it (the fingerprint in the folder name only matches the same settings); delete the parked folder once its run ends
+#                 session's run resumes from it (the fingerprint in the folder name only matches the same settings);
+#                 delete the parked folder once its run ends
 # Outputs: artifacts/<setting's output_dir>, runs/<target>/probe.json, runs/<target>/forgetting.json; collect them
 # with collect.py / collect_gate_e.py (REPORT.md). Each step is retried twice: a stage killed mid-run (Ray's memory
-# monitor, a crash) resumes from its last checkpoint. A session's files end with it: a run must fit in one.
+# monitor, a crash) resumes from its last checkpoint. A session's files may end with it: a run that does not fit in
+# one is parked (`park`) and resumed in the next.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 DO_NOT_TRACK=true DVC_NO_ANALYTICS=1 MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
@@ -71,6 +73,7 @@ park() {  # the latest checkpoint of every stage under .icrl/checkpoints -> $PAR
 }
 
 for target in "$@"; do
+    case "$target" in s14|s15|ablation-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -88,24 +91,20 @@ for target in "$@"; do
                 step bootstrap "$ICRL" stage bootstrap "${SKILL[@]}"
             fi ;;
         s14)
-            unpark
             step s14 "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
                 --set model.share_prefix=true
             probe artifacts/dpo_one_stage/adapter runs/s14/probe.json
             forgetting artifacts/dpo_one_stage/adapter runs/s14/forgetting.json ;;
         s15)
-            unpark
             step s15 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
-            unpark
             arm=${target#ablation-}
             step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/ablation_streams.yaml \
                 -c "$E/ablation_$arm.yaml" --set model.share_prefix=true
             probe "artifacts/ablation_$arm/adapter" "runs/$target/probe.json" ;;
         ablation-dpo_rank)
-            unpark
             step "$target" "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
                 -c $E/ablation_dpo_rank.yaml --set model.share_prefix=true
             probe artifacts/ablation_dpo_rank/adapter "runs/$target/probe.json" ;;

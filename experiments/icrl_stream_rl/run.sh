@@ -46,13 +46,15 @@ forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and t
 
 PARKED=$E/checkpoints
 
-unpark() {  # restore parked checkpoints that are not under .icrl/checkpoints yet
+unpark() {  # restore each parked checkpoint unless its stage already has that step or a later one
     local parked
     [[ -d $PARKED ]] || return 0
     for parked in "$PARKED"/*/step-*; do
         [[ -e $parked ]] || continue
         local dest=.icrl/checkpoints/$(basename "$(dirname "$parked")")/$(basename "$parked")
-        if [[ ! -e $dest ]]; then
+        local newest
+        newest=$(ls -d "$(dirname "$dest")"/step-* 2>/dev/null | sort | tail -1 || true)
+        if [[ -z $newest || $(basename "$newest") < $(basename "$parked") ]]; then
             mkdir -p "$(dirname "$dest")"
             cp -r "$parked" "$dest.tmp" && mv "$dest.tmp" "$dest"
             echo "== restored the parked checkpoint $dest"
@@ -63,7 +65,7 @@ unpark() {  # restore parked checkpoints that are not under .icrl/checkpoints ye
 park() {  # the latest checkpoint of every stage under .icrl/checkpoints -> $PARKED (replacing older parked ones)
     local run latest
     for run in .icrl/checkpoints/*/; do
-        latest=$(ls -d "$run"step-* 2>/dev/null | sort | tail -1)
+        latest=$(ls -d "$run"step-* 2>/dev/null | sort | tail -1 || true)  # none: ls fails (pipefail)
         [[ -n $latest ]] || continue
         rm -rf "$PARKED/$(basename "$run")"
         mkdir -p "$PARKED/$(basename "$run")"

@@ -7,11 +7,14 @@
 #   s15           setting 15 (addenda 19-21): RLOO on explorative-view streams, then gate E and its probe
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
-#   park          after stopping a run that cannot finish inside the session (addendum 23): copy each stage's latest
-#                 checkpoint (.icrl/checkpoints/<stage>-<config fingerprint>/step-N) to checkpoints/ beside this
-#                 script, to be committed; every training target first restores what is parked there, so the next
-#                 session's run resumes from it (the fingerprint in the folder name only matches the same settings);
-#                 delete the parked folder once its run ends
+#   park          after stopping a run that cannot finish inside the session (addendum 23): copy to checkpoints/
+#                 beside this script, to be committed, each stage's latest checkpoint
+#                 (.icrl/checkpoints/<stage>-<config fingerprint>/step-N), the outputs of a training target that has
+#                 not finished (artifacts/<output_dir>, until runs/<target>/probe.json exists) and the evaluation
+#                 work folders (.icrl/evaluations: finished runs and the logs of runs in progress). Every training
+#                 target first restores what is parked, so the next session's run resumes: the stage from its
+#                 checkpoint (the fingerprint in the folder name only matches the same settings), a trained stage is
+#                 not trained again, an evaluation goes on from its log. Delete the parked folder once its run ends
 # Outputs: artifacts/<setting's output_dir>, runs/<target>/probe.json, runs/<target>/forgetting.json; collect them
 # with collect.py / collect_gate_e.py (REPORT.md). Each step is retried twice: a stage killed mid-run (Ray's memory
 # monitor, a crash) resumes from its last checkpoint. A session's files may end with it: a run that does not fit in
@@ -45,9 +48,14 @@ forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and t
 }
 
 PARKED=$E/checkpoints
+# Each training target's output folder (its output_dir) and the file its last step writes.
+declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs/s15/probe.json
+                  [ablation_ppo]=runs/ablation-ppo/probe.json [ablation_grpo]=runs/ablation-grpo/probe.json
+                  [ablation_rloo]=runs/ablation-rloo/probe.json [ablation_dpo_rank]=runs/ablation-dpo_rank/probe.json)
 
-unpark() {  # restore each parked checkpoint unless its stage already has that step or a later one
-    local parked
+unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
+            # trained output folder unless its adapter is there, evaluation work folders not there yet
+    local parked output
     [[ -d $PARKED ]] || return 0
     for parked in "$PARKED"/*/step-*; do
         [[ -e $parked ]] || continue
@@ -60,10 +68,22 @@ unpark() {  # restore each parked checkpoint unless its stage already has that s
             echo "== restored the parked checkpoint $dest"
         fi
     done
+    for output in "${!FINAL[@]}"; do
+        if [[ -d $PARKED/artifacts/$output && ! -e artifacts/$output/adapter ]]; then
+            mkdir -p artifacts
+            rm -rf "artifacts/$output" "artifacts/$output.tmp"
+            cp -r "$PARKED/artifacts/$output" "artifacts/$output.tmp" && mv "artifacts/$output.tmp" "artifacts/$output"
+            echo "== restored the parked outputs artifacts/$output"
+        fi
+    done
+    if [[ -d $PARKED/evaluations ]]; then
+        mkdir -p .icrl/evaluations
+        cp -rn "$PARKED/evaluations/." .icrl/evaluations/  # -n: a log that went further here stays
+    fi
 }
 
-park() {  # the latest checkpoint of every stage under .icrl/checkpoints -> $PARKED (replacing older parked ones)
-    local run latest
+park() {  # the latest checkpoint of every stage, unfinished targets' outputs, evaluation work folders -> $PARKED
+    local run latest output
     for run in .icrl/checkpoints/*/; do
         latest=$(ls -d "$run"step-* 2>/dev/null | sort | tail -1 || true)  # none: ls fails (pipefail)
         [[ -n $latest ]] || continue
@@ -72,6 +92,25 @@ park() {  # the latest checkpoint of every stage under .icrl/checkpoints -> $PAR
         cp -r "$latest" "$PARKED/$(basename "$run")/"
         echo "== parked $latest in $PARKED/$(basename "$run"): commit it"
     done
+    for output in "${!FINAL[@]}"; do
+        if [[ -f artifacts/$output/adapter/adapter_model.safetensors && ! -f ${FINAL[$output]} ]]; then
+            rm -rf "$PARKED/artifacts/$output"
+            mkdir -p "$PARKED/artifacts"
+            cp -r "artifacts/$output" "$PARKED/artifacts/$output"
+            echo "== parked artifacts/$output (trained; ${FINAL[$output]} not written yet): commit it"
+        fi
+    done
+    if [[ -d .icrl/evaluations ]]; then
+        rm -rf "$PARKED/evaluations"
+        mkdir -p "$PARKED"
+        cp -r .icrl/evaluations "$PARKED/evaluations"
+        echo "== parked .icrl/evaluations in $PARKED/evaluations: commit it"
+    fi
+}
+
+trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by unpark), so no training again
+    [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] || return 1
+    echo "== artifacts/$1/adapter is there: not trained again"
 }
 
 for target in "$@"; do
@@ -93,22 +132,23 @@ for target in "$@"; do
                 step bootstrap "$ICRL" stage bootstrap "${SKILL[@]}"
             fi ;;
         s14)
-            step s14 "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
-                --set model.share_prefix=true
+            trained dpo_one_stage || step s14 "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml \
+                -c $E/one_stage_rank_replay.yaml --set model.share_prefix=true
             probe artifacts/dpo_one_stage/adapter runs/s14/probe.json
             forgetting artifacts/dpo_one_stage/adapter runs/s14/forgetting.json ;;
         s15)
-            step s15 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/explorative_streams.yaml
+            trained explorative_streams || step s15 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
-            step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml -c $E/ablation_streams.yaml \
-                -c "$E/ablation_$arm.yaml" --set model.share_prefix=true
+            trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/ablation_streams.yaml -c "$E/ablation_$arm.yaml" --set model.share_prefix=true
             probe "artifacts/ablation_$arm/adapter" "runs/$target/probe.json" ;;
         ablation-dpo_rank)
-            step "$target" "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml -c $E/one_stage_rank_replay.yaml \
-                -c $E/ablation_dpo_rank.yaml --set model.share_prefix=true
+            trained ablation_dpo_rank || step "$target" "$ICRL" stage dpo "${SKILL[@]}" -c $E/hindsight_dpo.yaml \
+                -c $E/one_stage_rank_replay.yaml -c $E/ablation_dpo_rank.yaml --set model.share_prefix=true
             probe artifacts/ablation_dpo_rank/adapter "runs/$target/probe.json" ;;
         probe-bootstrap)
             probe artifacts/bootstrap/adapter runs/bootstrap/probe.json ;;

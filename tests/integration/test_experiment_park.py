@@ -1,7 +1,8 @@
 """experiments/icrl_stream_rl/run.sh park / unpark (addendum 23): a run that cannot finish inside a session parks
-each stage's latest checkpoint beside the script, and the next session's training target restores it before it
-starts, so the stage resumes. The script runs for real in a copy of the project layout; `icrl` is a stand-in
-that records its calls (what it runs is tested elsewhere)."""
+each stage's latest checkpoint, an unfinished target's trained outputs and the evaluation work folders beside the
+script, and the next session's training target restores them before it starts: the stage resumes from its
+checkpoint, a trained stage is not trained again, an evaluation goes on from its log. The script runs for real in
+a copy of the project layout; `icrl` is a stand-in that records its calls (what it runs is tested elsewhere)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def _run(project: Path, *targets: str) -> subprocess.CompletedProcess:
     return result
 
 
-def _checkpoint(folder: Path, marker: str) -> None:
+def _checkpoint(folder: Path, marker: str, name: str = "state.safetensors") -> None:
     folder.mkdir(parents=True)
-    (folder / "state.safetensors").write_text(marker)
+    (folder / name).write_text(marker)
 
 
 def test_park_keeps_the_latest_checkpoint_and_a_training_target_restores_it(tmp_path):
@@ -66,3 +67,36 @@ def test_park_keeps_the_latest_checkpoint_and_a_training_target_restores_it(tmp_
     assert [p.name for p in (project / ".icrl" / "checkpoints" / "ppo-0123abcd").iterdir()] == ["step-00000006"]
     _run(project, "park")
     assert [p.name for p in (project / PARKED / "ppo-0123abcd").iterdir()] == ["step-00000006"]
+
+
+def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(tmp_path):
+    project = tmp_path
+    (project / SCRIPT).parent.mkdir(parents=True)
+    shutil.copy2(ROOT / SCRIPT, project / SCRIPT)
+    stub = project / ".venv" / "bin" / "icrl"
+    stub.parent.mkdir(parents=True)
+    stub.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls.log"\n')
+    stub.chmod(0o755)
+    trained = project / "artifacts" / "explorative_streams"
+    _checkpoint(trained / "adapter", "weights", "adapter_model.safetensors")
+    (trained / "history.json").write_text("[]")
+    # a finished target (its last file written): not parked
+    _checkpoint(project / "artifacts" / "dpo_one_stage" / "adapter", "s14", "adapter_model.safetensors")
+    (project / "runs" / "s14").mkdir(parents=True)
+    (project / "runs" / "s14" / "probe.json").write_text("{}")
+    partial = project / ".icrl" / "evaluations" / "partial" / "k1" / "steps.jsonl"
+    partial.parent.mkdir(parents=True)
+    partial.write_text('{"step": 0}\n')
+
+    _run(project, "park")
+    assert sorted(p.name for p in (project / PARKED / "artifacts").iterdir()) == ["explorative_streams"]
+    assert (project / PARKED / "evaluations" / "partial" / "k1" / "steps.jsonl").read_text() == '{"step": 0}\n'
+
+    for folder in ("artifacts", ".icrl", "runs"):  # the next session's fresh working tree
+        shutil.rmtree(project / folder)
+    resumed = _run(project, "s15")
+    assert (trained / "adapter" / "adapter_model.safetensors").read_text() == "weights"
+    assert (trained / "history.json").exists() and "not trained again" in resumed.stdout
+    assert partial.read_text() == '{"step": 0}\n'
+    calls = (stub.parent / "calls.log").read_text().splitlines()
+    assert [call.split()[:2] for call in calls] == [["stage", "evaluate"], ["probe-feedback", "--task"]]

@@ -21,6 +21,22 @@ SCRIPT = Path("experiments/icrl_stream_rl/run.sh")
 PARKED = Path("experiments/icrl_stream_rl/checkpoints")
 
 
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """The script in a copy of the project's layout, with `icrl` a stand-in that appends its arguments to a log."""
+    (tmp_path / SCRIPT).parent.mkdir(parents=True)
+    shutil.copy2(ROOT / SCRIPT, tmp_path / SCRIPT)
+    stub = tmp_path / ".venv" / "bin" / "icrl"
+    stub.parent.mkdir(parents=True)
+    stub.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls.log"\n')
+    stub.chmod(0o755)
+    return tmp_path
+
+
+def _calls(project: Path) -> list[str]:
+    return (project / ".venv" / "bin" / "calls.log").read_text().splitlines()
+
+
 def _run(project: Path, *targets: str) -> subprocess.CompletedProcess:
     result = subprocess.run(["bash", str(project / SCRIPT), *targets], cwd=project, capture_output=True, text=True,
                             check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", "")})
@@ -33,14 +49,7 @@ def _checkpoint(folder: Path, marker: str, name: str = "state.safetensors") -> N
     (folder / name).write_text(marker)
 
 
-def test_park_keeps_the_latest_checkpoint_and_a_training_target_restores_it(tmp_path):
-    project = tmp_path
-    (project / SCRIPT).parent.mkdir(parents=True)
-    shutil.copy2(ROOT / SCRIPT, project / SCRIPT)
-    stub = project / ".venv" / "bin" / "icrl"
-    stub.parent.mkdir(parents=True)
-    stub.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls.log"\n')
-    stub.chmod(0o755)
+def test_park_keeps_the_latest_checkpoint_and_a_training_target_restores_it(project):
     run = project / ".icrl" / "checkpoints" / "ppo-0123abcd"
     _checkpoint(run / "step-00000003", "3")
     _checkpoint(run / "step-00000004", "4")
@@ -57,7 +66,7 @@ def test_park_keeps_the_latest_checkpoint_and_a_training_target_restores_it(tmp_
     resumed = _run(project, "s15")
     restored = project / ".icrl" / "checkpoints" / "ppo-0123abcd" / "step-00000004" / "state.safetensors"
     assert restored.read_text() == "4" and "restored the parked checkpoint" in resumed.stdout
-    calls = (stub.parent / "calls.log").read_text().splitlines()
+    calls = _calls(project)
     assert calls[0].startswith("stage ppo ") and calls[1].startswith("stage evaluate ")
     # ... once: after the run went on (newer checkpoints, the parked step rotated away) a target leaves it alone
     _checkpoint(project / ".icrl" / "checkpoints" / "ppo-0123abcd" / "step-00000006", "6")
@@ -69,14 +78,7 @@ def test_park_keeps_the_latest_checkpoint_and_a_training_target_restores_it(tmp_
     assert [p.name for p in (project / PARKED / "ppo-0123abcd").iterdir()] == ["step-00000006"]
 
 
-def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(tmp_path):
-    project = tmp_path
-    (project / SCRIPT).parent.mkdir(parents=True)
-    shutil.copy2(ROOT / SCRIPT, project / SCRIPT)
-    stub = project / ".venv" / "bin" / "icrl"
-    stub.parent.mkdir(parents=True)
-    stub.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls.log"\n')
-    stub.chmod(0o755)
+def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(project):
     trained = project / "artifacts" / "explorative_streams"
     _checkpoint(trained / "adapter", "weights", "adapter_model.safetensors")
     (trained / "history.json").write_text("[]")
@@ -98,5 +100,5 @@ def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(tmp_
     assert (trained / "adapter" / "adapter_model.safetensors").read_text() == "weights"
     assert (trained / "history.json").exists() and "not trained again" in resumed.stdout
     assert partial.read_text() == '{"step": 0}\n'
-    calls = (stub.parent / "calls.log").read_text().splitlines()
+    calls = _calls(project)
     assert [call.split()[:2] for call in calls] == [["stage", "evaluate"], ["probe-feedback", "--task"]]

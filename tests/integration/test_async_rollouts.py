@@ -1,6 +1,7 @@
 """Asynchronous stream rollouts (ppo.async_rollouts) on real local Ray actors and the tiny model: weights reach the
 actors, the lag bound holds (level 0 is the synchronous run), training resumes exactly, the stage runs end to
-end, the actors import the code shipped in the runtime_env, and bad settings exit 2. The schedule by hand and the
+end, and bad settings exit 2 (the actors import the code shipped in the runtime_env:
+tests/integration/test_ray_runtime_env.py). The schedule by hand and the
 config errors: tests/unit/test_async_rollouts.py."""
 
 from __future__ import annotations
@@ -21,62 +22,6 @@ ASYNC_KEYS = ("async_version", "async_lag", "actor_rollout_seconds", "is_ratio_m
               "is_ratio_max", "is_ratio_capped")
 
 pytestmark = pytest.mark.integration
-
-SHIPPED_DRIVER = """
-import json
-
-import ray
-import torch
-
-from icrl_core.model import load_policy
-from icrl_core.config import LoraAdapter
-from tasks.async_rollouts import RolloutPool
-from tasks.settings import load_config
-
-config = load_config(None, ["ray.ship_code=true", "ray.num_cpus=1", "model.spec=tiny", "ppo.mode=stream",
-                            "model.adapter={kind: lora, rank: 4}", "ppo.objective={kind: grpo}",
-                            "ppo.stream={steps: 2, group_size: 2, groups: 1}", "ppo.async_rollouts.enabled=true"],
-                     environ={})
-policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
-with RolloutPool(config, policy.adapter, 2048) as pool:
-    from icrl_core.dataset_build import resolve_sources
-    from icrl_core.stream_rl import stream_tasks
-
-    pool.push(3, policy.trainable_state_dict())
-    pool.start(1, stream_tasks(resolve_sources(config.data, 0), config.data, config.ppo, 0, 1, [0], "train"))
-    rollout = pool.result(1)
-    print(json.dumps({"code": pool.code, "version": rollout.version, "streams": len(rollout.streams)}))
-ray.shutdown()
-"""
-
-
-def test_actors_run_the_code_shipped_in_the_runtime_env():
-    """As on a cluster (ray.ship_code, what ray.address turns on): a driver started from another folder gets actors
-    that import tasks.async_rollouts from Ray's runtime_env folder, not from the driver's path, and roll out with
-    the weights pushed through the object store."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from tests.conftest import ROOT
-
-    folder = Path(tempfile.mkdtemp(prefix="icrl-ship-", dir="/tmp"))  # short: Ray's socket paths
-    try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        result = subprocess.run([sys.executable, "-c", SHIPPED_DRIVER], cwd=folder, env=env, check=False,
-                                capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stderr[-3000:]
-        seen = json.loads(result.stdout.strip().splitlines()[-1])
-        assert seen["version"] == 3 and seen["streams"] == 2
-        (path,) = seen["code"]
-        assert not os.path.realpath(path).startswith(str(ROOT) + os.sep), path
-        assert "runtime_resources" in path and os.path.realpath(path).startswith(os.path.realpath(folder)), path
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
 
 @pytest.fixture(scope="module")
 def ray_session(tmp_path_factory):

@@ -8,8 +8,10 @@
 - `dvc repro` again runs nothing; a bootstrap rerun that gives the same weights reruns nothing downstream;
   `dvc exp run -S evaluate.forgetting_questions=...` reruns only evaluate and promote (an evaluation parameter:
   no training stage's ~40 s of Ray start-up per run in the suite);
-- a two-worker Ray Train PPO job survives a killed worker by resuming from its checkpoint;
-- a Ray Tune sweep of 4 PPO trials logs 4 MLflow child runs under one parent.
+- the training stages attach to one Ray head by address, as on a cluster (`ray.address`, the code shipped in
+  each job's runtime_env), instead of each starting a local Ray.
+
+Ray Train and Ray Tune on the PPO stage with their own local Ray: tests/integration/test_ray_ppo.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import httpx
 import pytest
 
 from tasks.stages import pipeline_stages, stage_names
-from tests.conftest import ROOT, TASKS_DIR, own_ray_train_workers
+from tests.conftest import ROOT, TASKS_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +72,47 @@ def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None
 
 
 @pytest.fixture(scope="module")
-def project(request) -> Path:
+def ray_head(request) -> str:
+    """A Ray head (`ray start --head`, 2 CPUs, 127.0.0.1) for this module's pipeline runs, stopped with the module:
+    the training stages attach by address, as to a cluster, instead of each starting and stopping a local Ray."""
+    import signal
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="icrl-h-", dir="/tmp"))  # short: Ray's AF_UNIX socket paths
+    port = _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_worker_niceness": "0"}
+    log = open(folder / "head.log", "w+")  # noqa: SIM115 - read back while the head runs
+    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
+                             f"--dashboard-port={_free_port()}", f"--temp-dir={folder / 'ray'}",
+                             "--disable-usage-stats"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def stop():
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(head.pid, sig)  # the head and every process it started (its own session)
+            except ProcessLookupError:
+                break
+            try:
+                head.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    request.addfinalizer(stop)
+    deadline = time.time() + 180
+    while "Ray runtime started" not in (folder / "head.log").read_text(errors="replace"):
+        assert head.poll() is None and time.time() < deadline, (folder / "head.log").read_text(errors="replace")
+        time.sleep(0.5)
+    return f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def project(request, ray_head) -> Path:
     """A git + DVC project like a fresh clone (sources, dvc.yaml, prefect.yaml) with tiny-model params, in a short
     folder: the training stages start Ray, which puts AF_UNIX sockets under .icrl/ray (107 bytes max)."""
     import tempfile
@@ -89,7 +130,8 @@ def project(request) -> Path:
     _run([str(BIN / "dvc"), "init", "-q"], folder)
     from flows.pipeline import apply_overrides
 
-    apply_overrides({**TINY_PIPELINE, "data.tasks_dir": str(TASKS_DIR)}, str(folder / "params.yaml"))
+    apply_overrides({**TINY_PIPELINE, "data.tasks_dir": str(TASKS_DIR), "ray.address": ray_head},
+                    str(folder / "params.yaml"))
     _run(["git", "add", "-A"], folder)
     _run(["git", "commit", "-qm", "tiny project"], folder)
     return folder
@@ -164,6 +206,10 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     for tasks in task_runs:
         assert {run["name"]: run["state"]["type"] for run in tasks} == {stage: "COMPLETED" for stage in PIPELINE}
     assert "Running stage 'ppo'" in logs and "icrl stage ppo" in logs
+    # the training stages ran as Ray Train jobs on the head (ray.address): none started a local Ray of its own
+    jobs = {path.name.split("-")[0] for path in (project / ".icrl" / "ray_results").iterdir()}
+    assert {"bootstrap", "reward_model", "ppo", "adapt"} <= jobs, jobs
+    assert not (project / ".icrl" / "ray").exists()
     # the run left params.yaml as it was
     assert (project / "params.yaml").read_bytes() == params_before
     # ... every stage wrote its headline metrics, the full records are in the outputs
@@ -272,89 +318,3 @@ def test_dvc_exp_run_reruns_only_the_stages_that_depend_on_the_parameter(project
     output = result.stdout + result.stderr
     ran = {stage for stage in STAGES if f"Running stage '{stage}'" in output}
     assert ran == {"evaluate", "promote"}, output[-3000:]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Ray Train and Ray Tune on the PPO stage
-
-TINY_PPO = [
-    "model.spec=tiny", "data.output_dir=data", "ppo.rollout_episodes=4", "ppo.batch_size=4",
-    "ppo.minibatch_size=2", "ppo.epochs=1", "ppo.eval_steps=100", "ppo.eval_episodes=2", "ppo.max_new_tokens=3",
-    "ppo.learning_rate=1e-3",
-]
-
-
-@pytest.fixture(scope="module")
-def ray_folder(tmp_path_factory):
-    import tempfile
-
-    import ray
-
-    from tests.ppo_helpers import write_keyword_dataset
-
-    # Ray puts AF_UNIX sockets under the working folder (.icrl/ray): keep the path short (107 bytes max).
-    folder = Path(tempfile.mkdtemp(prefix="icrl-ray-", dir="/tmp"))
-    write_keyword_dataset(folder / "data", train=16, val=2)
-    old = os.getcwd()
-    os.chdir(folder)
-    yield folder
-    ray.shutdown()
-    os.chdir(old)
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monkeypatch):
-    from icrl_core.checkpoint import latest_checkpoint
-    from tasks.ppo import run
-    from tasks.runtime import checkpoint_dir_for
-    from tasks.settings import load_config
-
-    config = load_config(None, TINY_PPO + ["tracking.enabled=false", "ray.enabled=true", "ray.num_workers=2",
-                                           "ray.max_failures=2", "ppo.max_steps=6", "ppo.save_steps=1"],
-                         environ={})
-    killed: list[int] = []
-
-    def kill_one_worker_after_a_checkpoint():
-        folder = checkpoint_dir_for(config, "ppo")
-        deadline = time.time() + 600
-        while time.time() < deadline and not killed:
-            latest = latest_checkpoint(folder)
-            if latest is not None and latest.name >= "step-00000002":
-                for proc in own_ray_train_workers():
-                    proc.kill()
-                    killed.append(proc.info["pid"])
-                    return
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=kill_one_worker_after_a_checkpoint)
-    watcher.start()
-    metrics = run(config)
-    watcher.join()
-    assert killed, "no Ray Train worker was found to kill"
-    history = json.loads((ray_folder / "artifacts" / "ppo" / "history.json").read_text())
-    assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]
-    assert metrics["iterations"] == 6 and metrics["world_size"] == 2
-
-
-def test_tune_sweep_of_four_ppo_trials_logs_four_mlflow_child_runs(ray_folder):
-    import mlflow
-
-    from tasks.settings import load_config
-    from tasks.sweep import run_sweep
-
-    store = f"sqlite:///{ray_folder / 'sweep-mlflow.db'}"
-    config = load_config(None, TINY_PPO + [f"tracking.tracking_uri={store}", "tracking.experiment=sweep-test",
-                                           "sweep.stage=ppo", "sweep.num_samples=4", "sweep.max_concurrent=2",
-                                           "sweep.max_steps=2", "sweep.grace_period=1"], environ={})
-    summary = run_sweep(config)
-    assert len(summary["trials"]) == 4 and all(t["error"] is None for t in summary["trials"])
-    assert set(summary["best_params"]) == {"ppo.learning_rate", "ppo.kl_beta"}
-    assert (ray_folder / "artifacts" / "sweep" / "best.json").exists()
-    client = mlflow.MlflowClient(tracking_uri=store)
-    experiment = client.get_experiment_by_name("sweep-test")
-    children = client.search_runs([experiment.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{summary['parent_run_id']}'")
-    assert len(children) == 4
-    for child in children:
-        assert {"ppo.learning_rate", "ppo.kl_beta"} <= set(child.data.params)
-        assert "mean_reward" in child.data.metrics

@@ -229,6 +229,17 @@ def memory_error(error: BaseException, stage: str, checkpoint_dir: Path):
         "from the latest one.")
 
 
+def worker_cpus(cfg: RayConfig, actor_cpus: float = 0) -> int:
+    """CPUs each Ray Train worker asks for (Ray gives the worker as many OMP/torch threads): `ray.cpus_per_worker`,
+    else a local Ray's CPUs shared among the workers, less those of the PPO stage's rollout actors (they must stay
+    free for them), else 1 on a cluster."""
+    if cfg.cpus_per_worker is not None:
+        return cfg.cpus_per_worker
+    if cfg.address:
+        return 1
+    return max(1, int(cfg.num_cpus - actor_cpus) // cfg.num_workers)
+
+
 def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoint_dir: Path,
                      tracker=None) -> dict:
     """Run `train_worker` (a module-level function) as a TorchTrainer job whose workers checkpoint into
@@ -241,10 +252,9 @@ def run_ray_training(config: PipelineConfig, stage: str, train_worker, checkpoin
     # The cluster's GPUs, not the driver's: a Prefect worker without a GPU drives GPU workers.
     use_gpu, backend = ray_devices(config.ray.use_gpu, config.model.device, ray.cluster_resources().get("GPU", 0))
     workers = config.ray.num_workers
-    # a local job leaves the CPUs of the PPO stage's rollout actors (ppo.async_rollouts) free of its workers
     rollouts = config.ppo.async_rollouts
     actor_cpus = workers * rollouts.actors * rollouts.actor_cpus if stage == "ppo" and rollouts.enabled else 0
-    cpus_per_worker = max(1, int(config.ray.num_cpus - actor_cpus) // workers) if not config.ray.address else 1
+    cpus_per_worker = worker_cpus(config.ray, actor_cpus)
     import sys
 
     module_file = Path(sys.modules[train_worker.__module__].__file__).resolve()

@@ -67,6 +67,11 @@ class RayConfig(Section):
                                          "127.0.0.1.")] = None
     num_workers: Annotated[int, Field(ge=1, description="Ray Train workers (DDP: NCCL on GPUs, gloo on CPUs).")] = 1
     num_cpus: Annotated[int, Field(ge=1, description="CPUs given to a local Ray.")] = 2
+    cpus_per_worker: Annotated[int | None, Field(ge=1, description="CPUs each Ray Train worker asks for; Ray sets "
+                                                 "the worker's OMP_NUM_THREADS (torch's threads) to it. Empty: a "
+                                                 "local Ray's num_cpus shared among the workers (less the PPO "
+                                                 "rollout actors' CPUs); 1 on a cluster (ray.address), whose size "
+                                                 "the driver does not know.")] = None
     use_gpu: Annotated[Literal["auto"] | bool, Field(description="One GPU per Ray Train worker ('auto': when the "
                                                      "cluster has GPUs and model.device is not cpu). Workers then "
                                                      "train on CUDA with NCCL, else on CPUs with gloo.")] = "auto"

@@ -44,3 +44,14 @@ def test_ray_devices_refuse_impossible_requests():
     with pytest.raises(UserError, match="no CUDA device"):
         ray_devices(False, "cuda", 4)
 
+
+
+def test_worker_cpus_share_a_local_ray_and_follow_the_setting():
+    from tasks.ray_train import worker_cpus
+    from tasks.settings import RayConfig
+
+    assert worker_cpus(RayConfig(num_cpus=2)) == 2  # one worker gets both cores of a local Ray
+    assert worker_cpus(RayConfig(num_cpus=4, num_workers=2)) == 2
+    assert worker_cpus(RayConfig(num_cpus=2), actor_cpus=1) == 1  # the rollout actors keep theirs
+    assert worker_cpus(RayConfig(address="10.0.0.1:6379")) == 1  # a cluster's size is not known to the driver
+    assert worker_cpus(RayConfig(address="127.0.0.1:6379", cpus_per_worker=2)) == 2

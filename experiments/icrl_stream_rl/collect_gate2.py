@@ -5,6 +5,9 @@ the evaluate stage's runs of the RL adapter (`trained`), the bootstrap it starte
     .venv/bin/python experiments/icrl_stream_rl/collect_gate2.py --setting 12 \
         --seed 100=artifacts/evaluate_gate2_seed100 --seed 101=... --seed 102=...
 
+A seed evaluated in parts (one strategy per part, addendum 23) is given once per part's folder:
+`--seed 100=artifacts/gate2_s15/seed100-explorative --seed 100=artifacts/gate2_s15/seed100-naive`.
+
 Rule (fixed before the runs): for naive or for explorative, RL minus bootstrap test accuracy at step 999 is
 positive on all three seeds AND its mean over them is at least 0.05. With fewer than three seeds the decision is
 `pending`, unless a seed already has a difference <= 0 (then `failed`: the rule needs every seed positive).
@@ -39,6 +42,16 @@ def seed_row(folder: Path) -> dict:
             "forgetting_probe_base_accuracy", "forgetting_probe_trained_accuracy", "forgetting_probe_change",
             "feedback_effect_base", "feedback_effect_trained", "seconds")
     return {"runs": runs, **{k: metrics[k] for k in keep if k in metrics}}
+
+
+def merge_parts(first: dict, second: dict) -> dict:
+    """One seed run in parts (addendum 23: one strategy per part, each in its own folder, `--seed S=A --seed S=B`):
+    the runs of both, their stage seconds summed, the other measures from whichever part has them (the later one
+    when both do: the forgetting measures are the same cached numbers)."""
+    merged = {**first, **second, "runs": {**first["runs"], **second["runs"]}}
+    if "seconds" in first and "seconds" in second:
+        merged["seconds"] = round(first["seconds"] + second["seconds"], 2)
+    return merged
 
 
 def stream_behaviour(steps: Path) -> dict:
@@ -91,9 +104,12 @@ def main() -> None:
     out = HERE / "results.json"
     results = json.loads(out.read_text())
     gate2 = results.setdefault("gate2", {}).setdefault(args.setting, {"seeds": {}})
+    given: dict[str, dict] = {}
     for item in args.seed:
         seed, folder = item.split("=", 1)
-        gate2["seeds"][seed] = seed_row(Path(folder))
+        row = seed_row(Path(folder))
+        given[seed] = merge_parts(given[seed], row) if seed in given else row
+    gate2["seeds"].update(given)
     gate2["seeds"] = dict(sorted(gate2["seeds"].items()))
     gate2["decision"] = decision(gate2["seeds"])
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -5,6 +5,10 @@
 #   bootstrap     the H32 bootstrap: its datasets, then the recorded adapter (adapters/bootstrap_h32) or training
 #   s14           setting 14 (addenda 14, 22): the dpo stage from the bootstrap, then its gate-1 probe and forgetting
 #   s15           setting 15 (addenda 19-21): RLOO on explorative-view streams, then gate E and its probe
+#   s15-gate2-SEED-STRATEGY  one part of setting 15's gate 2 (addenda 19, 23): the evaluate stage on seed SEED
+#                 (100, 101, 102), strategy STRATEGY only, into artifacts/gate2_s15/seedSEED-STRATEGY, the
+#                 adapter restored from adapters/explorative_streams (collect_gate2.py --seed SEED=FOLDER per part)
+#   s15-forgetting  setting 15's gate 3 with the greedy check (addenda 14, 19): runs/s15/forgetting.json
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   park          after stopping a run that cannot finish inside the session (addendum 23): copy to checkpoints/
@@ -108,6 +112,20 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
     fi
 }
 
+restore_kept() {  # restore_kept NAME: the adapter kept in the repository (adapters/NAME) -> artifacts/NAME/adapter
+    local kept=$E/adapters/$1 dest=artifacts/$1/adapter
+    [[ -f $dest/adapter_model.safetensors ]] && return 0
+    if ! (cd "$kept" && sha256sum --quiet -c SHA256SUMS); then
+        echo "run.sh: $kept does not match its SHA256SUMS" >&2
+        exit 1
+    fi
+    rm -rf "$dest.tmp"
+    mkdir -p "$dest.tmp"
+    cp $(awk -v d="$kept/" '{print d $2}' "$kept/SHA256SUMS") "$dest.tmp/"
+    mv "$dest.tmp" "$dest"
+    echo "== restored the kept adapter $kept -> $dest"
+}
+
 trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by unpark), so no training again
     [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] || return 1
     echo "== artifacts/$1/adapter is there: not trained again"
@@ -141,6 +159,16 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
+        s15-gate2-*)
+            restore_kept explorative_streams
+            part=${target#s15-gate2-}
+            seed=${part%%-*} strategy=${part#*-}
+            step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
+                --set evaluate.adapter=artifacts/explorative_streams/adapter --set "evaluate.strategies=[$strategy]" \
+                --set "evaluate.output_dir=artifacts/gate2_s15/seed$seed-$strategy" ;;
+        s15-forgetting)
+            restore_kept explorative_streams
+            forgetting artifacts/explorative_streams/adapter runs/s15/forgetting.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -155,8 +183,8 @@ for target in "$@"; do
         park)
             park ;;
         *)
-            echo "run.sh: unknown target '$target' (bootstrap, s14, s15, ablation-{ppo,grpo,rloo,dpo_rank}," \
-                 "probe-bootstrap, park)" >&2
+            echo "run.sh: unknown target '$target' (bootstrap, s14, s15, s15-gate2-SEED-STRATEGY, s15-forgetting," \
+                 "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, park)" >&2
             exit 2 ;;
     esac
 done

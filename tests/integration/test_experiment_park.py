@@ -102,3 +102,32 @@ def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(proj
     assert partial.read_text() == '{"step": 0}\n'
     calls = _calls(project)
     assert [call.split()[:2] for call in calls] == [["stage", "evaluate"], ["probe-feedback", "--task"]]
+
+
+def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strategy(project):
+    import hashlib
+
+    kept = project / "experiments" / "icrl_stream_rl" / "adapters" / "explorative_streams"
+    kept.mkdir(parents=True)
+    sums = []
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        (kept / name).write_text(name)
+        sums.append(f"{hashlib.sha256(name.encode()).hexdigest()}  {name}")
+    (kept / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    (kept / "README.md").write_text("not copied")
+
+    result = _run(project, "s15-gate2-101-explorative")
+    adapter = project / "artifacts" / "explorative_streams" / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert "restored the kept adapter" in result.stdout
+    (call,) = _calls(project)
+    assert call.startswith("stage evaluate ") and "icrl_eval.seed=101" in call
+    assert "evaluate.strategies=[explorative]" in call
+    assert "evaluate.output_dir=artifacts/gate2_s15/seed101-explorative" in call
+
+    (kept / "adapter_config.json").write_text("changed")  # a kept adapter that does not verify is never used
+    shutil.rmtree(adapter)
+    failed = subprocess.run(["bash", str(project / SCRIPT), "s15-forgetting"], cwd=project, capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert failed.returncode == 1 and "does not match its SHA256SUMS" in failed.stderr
+    assert not adapter.exists()

@@ -71,3 +71,12 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.decision(runs(0.05, -0.005))["verdict"] == "failed"
     assert gate_e.decision(runs(0.029, 0.10))["verdict"] == "failed"
     assert gate_e.decision({"start-explorative": runs(0, 0)["start-explorative"]})["verdict"] == "pending"
+
+
+def test_a_seed_run_in_parts_is_one_seed():
+    explorative = {"runs": {"trained-explorative": {"test_accuracy": {"999": 0.5}}}, "seconds": 100.0,
+                   "forgetting_drop": 0.01}
+    naive = {"runs": {"trained-naive": {"test_accuracy": {"999": 0.2}}}, "seconds": 50.0, "forgetting_drop": 0.01}
+    merged = collect_gate2.merge_parts(explorative, naive)
+    assert set(merged["runs"]) == {"trained-explorative", "trained-naive"}
+    assert merged["seconds"] == 150.0 and merged["forgetting_drop"] == 0.01

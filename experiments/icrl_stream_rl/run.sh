@@ -132,7 +132,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by
 }
 
 for target in "$@"; do
-    case "$target" in s14|s15|ablation-*) unpark ;; esac
+    case "$target" in s14|s15|s15-*|ablation-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done

@@ -116,7 +116,11 @@ def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strat
     (kept / "SHA256SUMS").write_text("\n".join(sums) + "\n")
     (kept / "README.md").write_text("not copied")
 
+    parked_log = project / PARKED / "evaluations" / "partial" / "k2" / "steps.jsonl"  # a part cut at a session's end
+    parked_log.parent.mkdir(parents=True)
+    parked_log.write_text('{"step": 0}\n')
     result = _run(project, "s15-gate2-101-explorative")
+    assert (project / ".icrl" / "evaluations" / "partial" / "k2" / "steps.jsonl").exists()  # goes on from its log
     adapter = project / "artifacts" / "explorative_streams" / "adapter"
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert "restored the kept adapter" in result.stdout

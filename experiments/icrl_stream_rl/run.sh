@@ -112,12 +112,13 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
     fi
 }
 
-restore_kept() {  # restore_kept NAME: the adapter kept in the repository (adapters/NAME) -> artifacts/NAME/adapter
-    local kept=$E/adapters/$1 dest=artifacts/$1/adapter
+restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (adapters/NAME) -> DEST, when
+                  # DEST has none; fails (1) when the kept files do not match their SHA256SUMS
+    local kept=$E/adapters/$1 dest=$2
     [[ -f $dest/adapter_model.safetensors ]] && return 0
     if ! (cd "$kept" && sha256sum --quiet -c SHA256SUMS); then
         echo "run.sh: $kept does not match its SHA256SUMS" >&2
-        exit 1
+        return 1
     fi
     rm -rf "$dest.tmp"
     mkdir -p "$dest.tmp"
@@ -138,14 +139,8 @@ for target in "$@"; do
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
             if [[ -f artifacts/bootstrap/adapter/adapter_model.safetensors ]]; then
                 echo "== bootstrap: artifacts/bootstrap/adapter is there"
-            elif (cd $E/adapters/bootstrap_h32 && sha256sum --quiet -c SHA256SUMS); then
-                mkdir -p artifacts/bootstrap
-                rm -rf artifacts/bootstrap/adapter.tmp
-                mkdir artifacts/bootstrap/adapter.tmp
-                cp $E/adapters/bootstrap_h32/{adapter_config.json,adapter_model.safetensors,icrl_adapter.json} \
-                    artifacts/bootstrap/adapter.tmp/
-                mv artifacts/bootstrap/adapter.tmp artifacts/bootstrap/adapter
-                echo "== bootstrap: restored the recorded adapter ($E/adapters/bootstrap_h32)"
+            elif restore_kept bootstrap_h32 artifacts/bootstrap/adapter; then
+                :
             else
                 step bootstrap "$ICRL" stage bootstrap "${SKILL[@]}"
             fi ;;
@@ -160,14 +155,14 @@ for target in "$@"; do
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
         s15-gate2-*)
-            restore_kept explorative_streams
+            restore_kept explorative_streams artifacts/explorative_streams/adapter || exit 1
             part=${target#s15-gate2-}
             seed=${part%%-*} strategy=${part#*-}
             step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
                 --set evaluate.adapter=artifacts/explorative_streams/adapter --set "evaluate.strategies=[$strategy]" \
                 --set "evaluate.output_dir=artifacts/gate2_s15/seed$seed-$strategy" ;;
         s15-forgetting)
-            restore_kept explorative_streams
+            restore_kept explorative_streams artifacts/explorative_streams/adapter || exit 1
             forgetting artifacts/explorative_streams/adapter runs/s15/forgetting.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}

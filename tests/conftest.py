@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -108,6 +111,35 @@ def own_ray_train_workers() -> list:
     return [proc for proc in psutil.process_iter(["pid", "cmdline"])
             if "RayTrainWorker" in " ".join(proc.info["cmdline"] or [])
             and any(parent.pid == me for parent in _parents(proc))]
+
+
+@contextmanager
+def a_ray_train_worker_killed_after(checkpoints: Path, step: int, timeout: float):
+    """Kills one of this process's Ray Train workers once `checkpoints` holds a checkpoint of step `step` or later,
+    from a thread beside the block; yields the list the killed pid goes into (empty if none was killed)."""
+    from icrl_core.checkpoint import latest_checkpoint
+
+    killed: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        deadline = time.time() + timeout
+        while time.time() < deadline and not done.is_set():
+            latest = latest_checkpoint(checkpoints)
+            if latest is not None and latest.name >= f"step-{step:08d}":
+                for proc in own_ray_train_workers():
+                    proc.kill()
+                    killed.append(proc.info["pid"])
+                    return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield killed
+    finally:  # the run ended (or failed) without the kill: stop watching now, not at the deadline
+        done.set()
+        watcher.join()
 
 
 def _parents(proc) -> list:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import own_ray_train_workers
+from tests.conftest import a_ray_train_worker_killed_after
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +42,6 @@ def ray_folder(tmp_path_factory):
 
 
 def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monkeypatch):
-    from icrl_core.checkpoint import latest_checkpoint
     from tasks.ppo import run
     from tasks.runtime import checkpoint_dir_for
     from tasks.settings import load_config
@@ -52,24 +49,8 @@ def test_two_worker_ray_train_ppo_recovers_from_a_killed_worker(ray_folder, monk
     config = load_config(None, TINY_PPO + ["tracking.enabled=false", "ray.enabled=true", "ray.num_workers=2",
                                            "ray.max_failures=2", "ppo.max_steps=6", "ppo.save_steps=1"],
                          environ={})
-    killed: list[int] = []
-
-    def kill_one_worker_after_a_checkpoint():
-        folder = checkpoint_dir_for(config, "ppo")
-        deadline = time.time() + 600
-        while time.time() < deadline and not killed:
-            latest = latest_checkpoint(folder)
-            if latest is not None and latest.name >= "step-00000002":
-                for proc in own_ray_train_workers():
-                    proc.kill()
-                    killed.append(proc.info["pid"])
-                    return
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=kill_one_worker_after_a_checkpoint)
-    watcher.start()
-    metrics = run(config)
-    watcher.join()
+    with a_ray_train_worker_killed_after(checkpoint_dir_for(config, "ppo"), step=2, timeout=600) as killed:
+        metrics = run(config)
     assert killed, "no Ray Train worker was found to kill"
     history = json.loads((ray_folder / "artifacts" / "ppo" / "history.json").read_text())
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]

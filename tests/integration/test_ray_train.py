@@ -4,16 +4,12 @@ runs the same way (tests/integration/test_ray_ppo.py)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import psutil
 import pytest
 
-from icrl_core.checkpoint import latest_checkpoint
 from tasks.runtime import checkpoint_dir_for, launch
 from tasks.settings import load_config
-from tests.conftest import own_ray_train_workers
+from tests.conftest import a_ray_train_worker_killed_after
 from tests.support.toy_stage import train_worker
 
 pytestmark = pytest.mark.integration
@@ -44,24 +40,8 @@ def test_a_killed_worker_is_replaced_and_two_workers_still_match_one(ray_session
     config = _config(2, steps=20)
     uninterrupted = launch(load_config(None, ["bootstrap.max_steps=20", "bootstrap.save_steps=5"], environ={}),
                            "bootstrap", train_worker)
-    killed = []
-
-    def kill_one_worker_after_first_checkpoint():
-        folder = checkpoint_dir_for(config, "bootstrap")
-        deadline = time.time() + 120
-        while time.time() < deadline and not killed:
-            latest = latest_checkpoint(folder)
-            if latest is not None and latest.name >= "step-00000005":
-                for proc in own_ray_train_workers():
-                    proc.kill()
-                    killed.append(proc.info["pid"])
-                    return
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=kill_one_worker_after_first_checkpoint)
-    watcher.start()
-    result = launch(config, "bootstrap", train_worker)
-    watcher.join()
+    with a_ray_train_worker_killed_after(checkpoint_dir_for(config, "bootstrap"), step=5, timeout=120) as killed:
+        result = launch(config, "bootstrap", train_worker)
     assert killed, "no Ray Train worker was found to kill"
     assert result["world_size"] == 2 and uninterrupted["world_size"] == 1
     assert result["weight"] == pytest.approx(uninterrupted["weight"], abs=1e-5)

@@ -80,15 +80,37 @@ def forgetting_probe(policy, n: int, name: str, position: int = 0) -> dict:
     return {"accuracy": report.accuracy, "by_family": report.by_family, "correct": report.correct}
 
 
-def ability_key(config: PipelineConfig, adapter: Path | None) -> str:
-    """A hash of what one model's forgetting measurements depend on: the model (a trained adapter by its bytes),
-    the measurements' settings and their source code."""
+ABILITY_MEASURES = ("greedy", "probe", "feedback")
+
+
+def ability_keys(config: PipelineConfig, adapter: Path | None) -> dict[str, str]:
+    """One key per forgetting measurement that is switched on, a hash of what it depends on: the model (a trained
+    adapter by its bytes), its settings and its source code. The greedy check and the choice probe do not depend on
+    the evaluation task or seed, so the stage runs of every seed share them; the feedback probe does."""
+    cfg = config.evaluate
+    model = _model_identity(_with_adapter(config, adapter))
+    keys = {}
+    if cfg.forgetting_questions:
+        keys["greedy"] = content_key({"model": model, "greedy": [cfg.forgetting_questions,
+                                                                 cfg.forgetting_max_new_tokens]}, _ABILITY_SOURCES)
+    if cfg.forgetting_probe_items:
+        keys["probe"] = content_key({"model": model, "probe": cfg.forgetting_probe_items}, _ABILITY_SOURCES)
+    feedback = _feedback_probe_settings(config)
+    if feedback is not None:
+        keys["feedback"] = content_key({"model": model, "feedback": feedback},
+                                       _ABILITY_SOURCES + _FEEDBACK_SOURCES)
+    return keys
+
+
+def _combined_ability_key(config: PipelineConfig, adapter: Path | None) -> str:
+    """The key under which all of one model's measurements were kept together before `ability_keys` (read only, so
+    that measurements made then are not made again)."""
     cfg = config.evaluate
     payload = {"model": _model_identity(_with_adapter(config, adapter)),
                "greedy": [cfg.forgetting_questions, cfg.forgetting_max_new_tokens],
                "probe": cfg.forgetting_probe_items}
     feedback = _feedback_probe_settings(config)
-    if feedback is None:  # keys made before the feedback probe existed stay valid
+    if feedback is None:
         return content_key(payload, _ABILITY_SOURCES)
     return content_key(payload | {"feedback": feedback}, _ABILITY_SOURCES + _FEEDBACK_SOURCES)
 
@@ -104,43 +126,66 @@ def _feedback_probe_settings(config: PipelineConfig) -> dict | None:
             "queries": cfg.feedback_probe_queries}
 
 
-def stored_ability(config: PipelineConfig, adapter: Path | None) -> dict | None:
-    """The forgetting measurements kept under `ability_key`, if any and `evaluate.reuse_runs`."""
+def _ability_path(measure: str, key: str) -> Path:
+    return RESULT_CACHE / "ability" / f"{measure}-{key}.json"
+
+
+def _stored_measures(config: PipelineConfig, adapter: Path | None) -> dict:
+    """The measurements of one model kept in the cache (measure -> result), those of an entry kept under the
+    combined key split into per-measurement entries first."""
     import json
 
-    stored = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
-    if not config.evaluate.reuse_runs or not stored.exists():
+    from icrl_core.io import atomic_write_json
+
+    keys = ability_keys(config, adapter)
+    combined = RESULT_CACHE / "ability" / f"{_combined_ability_key(config, adapter)}.json"
+    if combined.exists():
+        entry = json.loads(combined.read_text())
+        for measure, key in keys.items():
+            if entry.get(measure) is not None and not _ability_path(measure, key).exists():
+                atomic_write_json(_ability_path(measure, key), entry[measure])
+    return {measure: json.loads(_ability_path(measure, key).read_text())
+            for measure, key in keys.items() if _ability_path(measure, key).exists()}
+
+
+def stored_ability(config: PipelineConfig, adapter: Path | None) -> dict | None:
+    """One model's switched-on measurements when all are kept (see `general_ability`) and `evaluate.reuse_runs`."""
+    if not config.evaluate.reuse_runs:
         return None
-    return json.loads(stored.read_text())
+    stored = _stored_measures(config, adapter)
+    if set(stored) != set(ability_keys(config, adapter)):
+        return None
+    return {measure: stored.get(measure) for measure in ABILITY_MEASURES}
 
 
 def general_ability(config: PipelineConfig, adapter: Path | None, position: int = 0) -> dict:
-    """The forgetting measures and the feedback probe that are switched on, for one model loaded once. Kept under
-    `ability_key` (a stage killed after measuring one model does not measure it again) and reused when
+    """The forgetting measures and the feedback probe that are switched on, for one model loaded once (None for
+    those switched off). Each is kept under its key in `ability_keys` as soon as it is measured (a stage killed
+    after the greedy check does not run it again; another seed's stage run reuses it) and reused when
     `evaluate.reuse_runs`."""
     import json
 
     from icrl_core.io import atomic_write_json
     from tasks.icrl_eval import measure_feedback
 
-    stored = stored_ability(config, adapter)
-    if stored is not None:
-        return stored
     cfg = config.evaluate
-    policy = _policy(config, adapter)
+    keys = ability_keys(config, adapter)
+    stored = _stored_measures(config, adapter) if cfg.reuse_runs else {}
+    missing = [measure for measure in keys if measure not in stored]
+    policy = _policy(config, adapter) if missing else None
     name = "trained" if adapter else "base"
-    result = {"greedy": (forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens, name, position)
-                         if cfg.forgetting_questions else None),
-              "probe": (forgetting_probe(policy, cfg.forgetting_probe_items, name, position)
-                        if cfg.forgetting_probe_items else None),
-              "feedback": (measure_feedback(_with_adapter(config, adapter), policy, cfg.feedback_probe_target,
-                                            cfg.feedback_probe_attempts,
-                                            cfg.feedback_probe_queries, name=name, position=position)
-                           if cfg.feedback_probe_target is not None else None)}
-    target = RESULT_CACHE / "ability" / f"{ability_key(config, adapter)}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(target, result)
-    return json.loads(target.read_text())  # the same JSON types whether measured now or reused
+    measures = {"greedy": lambda: forgetting(policy, cfg.forgetting_questions, cfg.forgetting_max_new_tokens, name,
+                                             position),
+                "probe": lambda: forgetting_probe(policy, cfg.forgetting_probe_items, name, position),
+                "feedback": lambda: measure_feedback(_with_adapter(config, adapter), policy,
+                                                     cfg.feedback_probe_target, cfg.feedback_probe_attempts,
+                                                     cfg.feedback_probe_queries, name=name, position=position)}
+    for measure in missing:
+        target = _ability_path(measure, keys[measure])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(target, measures[measure]())
+        stored[measure] = json.loads(target.read_text())  # the same JSON types whether measured now or reused
+    return {measure: stored.get(measure) for measure in ABILITY_MEASURES}
 
 
 def interpolated_adapter(config: PipelineConfig, source: Path, scale: float, target: Path) -> Path:

@@ -104,7 +104,9 @@ def test_forgetting_measurements_are_kept_and_reused(in_tmp, monkeypatch):
     changed = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
                                  "evaluate.forgetting_max_new_tokens=5", "evaluate.forgetting_probe_items=3"],
                           environ={})
-    assert stage.ability_key(changed, None) != stage.ability_key(config, None)
+    keys, changed_keys = stage.ability_keys(config, None), stage.ability_keys(changed, None)
+    assert set(keys) == {"greedy", "probe"}
+    assert changed_keys["greedy"] != keys["greedy"] and changed_keys["probe"] == keys["probe"]
     fresh = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
                                "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3",
                                "evaluate.reuse_runs=false"], environ={})
@@ -114,6 +116,42 @@ def test_forgetting_measurements_are_kept_and_reused(in_tmp, monkeypatch):
         assert "measured again" in str(error)  # reuse_runs false measures again
     else:
         raise AssertionError("reuse_runs=false reused the stored measurement")
+
+
+def test_seeds_share_the_forgetting_measures_and_not_the_feedback_probe(in_tmp, monkeypatch):
+    """The greedy check and the choice probe do not depend on the evaluation seed: another seed's stage run reuses
+    them and measures only its own feedback probe. Measurements kept together under one key (before per-measure
+    keys) are read and split, not measured again."""
+    import json
+
+    import tasks.evaluate as stage
+    from icrl_core.io import atomic_write_json
+
+    settings = ["model.spec=tiny", "evaluate.forgetting_questions=2", "evaluate.forgetting_max_new_tokens=4",
+                "evaluate.forgetting_probe_items=3", "evaluate.feedback_probe_target=brom",
+                "evaluate.feedback_probe_queries=2", "evaluate.feedback_probe_attempts=[1]",
+                "icrl_eval.task=keyword_map"]
+    seed_100 = load_config(None, settings + ["icrl_eval.seed=100"], environ={})
+    seed_101 = load_config(None, settings + ["icrl_eval.seed=101"], environ={})
+    first = stage.general_ability(seed_100, None)
+    keys_100, keys_101 = stage.ability_keys(seed_100, None), stage.ability_keys(seed_101, None)
+    assert keys_100["greedy"] == keys_101["greedy"] and keys_100["probe"] == keys_101["probe"]
+    assert keys_100["feedback"] != keys_101["feedback"]
+
+    measured = []
+    monkeypatch.setattr(stage, "forgetting", lambda *a, **k: measured.append("greedy"))
+    monkeypatch.setattr(stage, "forgetting_probe", lambda *a, **k: measured.append("probe"))
+    second = stage.general_ability(seed_101, None)
+    assert measured == [] and second["greedy"] == first["greedy"] and second["probe"] == first["probe"]
+    assert second["feedback"] is not None
+
+    kept = in_tmp / ".icrl" / "evaluations" / "ability"
+    for entry in kept.iterdir():
+        entry.unlink()
+    atomic_write_json(kept / f"{stage._combined_ability_key(seed_100, None)}.json", first)
+    monkeypatch.setattr(stage, "_policy", lambda *args: (_ for _ in ()).throw(AssertionError("measured again")))
+    assert stage.general_ability(seed_100, None) == first
+    assert json.loads((kept / f"greedy-{keys_100['greedy']}.json").read_text()) == first["greedy"]
 
 
 def test_runs_and_forgetting_measurements_share_one_pool(in_tmp):
@@ -128,7 +166,9 @@ def test_runs_and_forgetting_measurements_share_one_pool(in_tmp):
     results, resumed, abilities = stage.evaluation_results(configs, workers=2, reuse=True, config=stage_config,
                                                            ability_adapters=(None,))
     assert [r["strategy"] for r in results] == ["naive", "zero_shot"] and resumed == 0
-    assert (in_tmp / ".icrl" / "evaluations" / "ability" / f"{stage.ability_key(stage_config, None)}.json").exists()
+    kept = in_tmp / ".icrl" / "evaluations" / "ability"
+    assert sorted(kept.iterdir()) == sorted(kept / f"{measure}-{key}.json"
+                                            for measure, key in stage.ability_keys(stage_config, None).items())
     fresh = load_config(None, ["model.spec=tiny", "evaluate.forgetting_questions=2",
                                "evaluate.forgetting_max_new_tokens=4", "evaluate.forgetting_probe_items=3",
                                "evaluate.reuse_runs=false"], environ={})

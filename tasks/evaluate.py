@@ -130,14 +130,13 @@ def _ability_path(measure: str, key: str) -> Path:
     return RESULT_CACHE / "ability" / f"{measure}-{key}.json"
 
 
-def _stored_measures(config: PipelineConfig, adapter: Path | None) -> dict:
-    """The measurements of one model kept in the cache (measure -> result), those of an entry kept under the
-    combined key split into per-measurement entries first."""
+def _stored_measures(config: PipelineConfig, adapter: Path | None, keys: dict[str, str]) -> dict:
+    """The measurements of one model (`keys`: its `ability_keys`) kept in the cache (measure -> result), those of an
+    entry kept under the combined key split into per-measurement entries first."""
     import json
 
     from icrl_core.io import atomic_write_json
 
-    keys = ability_keys(config, adapter)
     combined = RESULT_CACHE / "ability" / f"{_combined_ability_key(config, adapter)}.json"
     if combined.exists():
         entry = json.loads(combined.read_text())
@@ -152,8 +151,9 @@ def stored_ability(config: PipelineConfig, adapter: Path | None) -> dict | None:
     """One model's switched-on measurements when all are kept (see `general_ability`) and `evaluate.reuse_runs`."""
     if not config.evaluate.reuse_runs:
         return None
-    stored = _stored_measures(config, adapter)
-    if set(stored) != set(ability_keys(config, adapter)):
+    keys = ability_keys(config, adapter)
+    stored = _stored_measures(config, adapter, keys)
+    if set(stored) != set(keys):
         return None
     return {measure: stored.get(measure) for measure in ABILITY_MEASURES}
 
@@ -170,7 +170,7 @@ def general_ability(config: PipelineConfig, adapter: Path | None, position: int 
 
     cfg = config.evaluate
     keys = ability_keys(config, adapter)
-    stored = _stored_measures(config, adapter) if cfg.reuse_runs else {}
+    stored = _stored_measures(config, adapter, keys) if cfg.reuse_runs else {}
     missing = [measure for measure in keys if measure not in stored]
     policy = _policy(config, adapter) if missing else None
     name = "trained" if adapter else "base"

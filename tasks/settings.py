@@ -62,6 +62,10 @@ class TrackingConfig(Section):
                                            "policy.")] = "icrl-policy"
 
 
+# The stages that train through tasks.runtime.launch (in-process or as a Ray Train job).
+TrainingStage = Literal["bootstrap", "reward_model", "ppo", "dpo", "critic", "critic_distill", "adapt"]
+
+
 class RayConfig(Section):
     address: Annotated[str | None, Field(description="Ray cluster address; empty = start a local Ray on "
                                          "127.0.0.1.")] = None
@@ -83,6 +87,9 @@ class RayConfig(Section):
     max_failures: Annotated[int, Field(ge=0, description="Worker failures a Ray Train job survives by "
                                        "restarting from its last checkpoint.")] = 2
     enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = False
+    stages: Annotated[list[TrainingStage] | None, Field(description="With ray.enabled, the training stages that "
+                                                         "run as Ray Train jobs (the others in-process). Empty: "
+                                                         "all of them.")] = None
     worker_niceness: Annotated[int, Field(ge=0, le=19, description="Niceness of a local Ray's worker processes. "
                                           "Ray's own default, 15, makes training jobs starve behind any other "
                                           "CPU job on a small shared machine; 0 runs them like the driver.")] = 0

@@ -83,11 +83,11 @@ def test_eval_run_folder_tracking_and_tools(tmp_path):
 
 def test_killed_run_resumes_to_the_same_log(tmp_path):
     """SIGKILL at a random step, --resume, and the per-step log equals an uninterrupted run's."""
-    train_k = 200
+    train_k = 120
     reference = run_cli(*_eval_args(tmp_path, "reference", train_k, "--no-tracking"), cwd=tmp_path, env=ENV)
     assert reference.returncode == 0, reference.stderr
 
-    kill_at = random.Random().randint(20, 150)
+    kill_at = random.Random().randint(20, 90)
     run_dir = tmp_path / "runs" / "killed"
     exe = Path(sys.executable).parent / "icrl"
     proc = subprocess.Popen([str(exe), *_eval_args(tmp_path, "killed", train_k, "--no-tracking")], cwd=tmp_path,

@@ -37,8 +37,8 @@ def test_a_killed_worker_is_replaced_and_two_workers_still_match_one(ray_session
     """Two data-parallel workers (half the batch each, gradients averaged) end where one worker on the full batch
     ends, even when one of them is killed mid-run and its replacement resumes from the last checkpoint."""
     monkeypatch.setenv("ICRL_TOY_STEP_SECONDS", "0.4")
-    config = _config(2, steps=20)
-    uninterrupted = launch(load_config(None, ["bootstrap.max_steps=20", "bootstrap.save_steps=5"], environ={}),
+    config = _config(2, steps=12)
+    uninterrupted = launch(load_config(None, ["bootstrap.max_steps=12", "bootstrap.save_steps=5"], environ={}),
                            "bootstrap", train_worker)
     with a_ray_train_worker_killed_after(checkpoint_dir_for(config, "bootstrap"), step=5, timeout=120) as killed:
         result = launch(config, "bootstrap", train_worker)

@@ -55,3 +55,37 @@ def test_worker_cpus_share_a_local_ray_and_follow_the_setting():
     assert worker_cpus(RayConfig(num_cpus=2), actor_cpus=1) == 1  # the rollout actors keep theirs
     assert worker_cpus(RayConfig(address="10.0.0.1:6379")) == 1  # a cluster's size is not known to the driver
     assert worker_cpus(RayConfig(address="127.0.0.1:6379", cpus_per_worker=2)) == 2
+
+
+def test_ray_stages_names_every_stage_that_trains_through_launch():
+    """`ray.stages` accepts exactly the stages whose module trains through tasks.runtime.launch."""
+    import re
+    from pathlib import Path
+    from typing import get_args
+
+    from tasks.settings import TrainingStage
+
+    root = Path(__file__).resolve().parents[2] / "tasks"
+    launching = set()
+    for module in root.glob("*.py"):
+        text = module.read_text()
+        stage = re.search(r'^STAGE = "(\w+)"', text, re.MULTILINE)
+        if stage and re.search(r"\b(run_training_stage|launch)\(config, STAGE\b", text):
+            launching.add(stage.group(1))
+    assert launching == set(get_args(TrainingStage))
+
+
+def test_a_stage_outside_ray_stages_trains_in_process(tmp_path, monkeypatch):
+    """ray.enabled with ray.stages=[ppo]: bootstrap trains in this process (no Ray started); a stage not named
+    there is refused by the config."""
+    from icrl_core.errors import ConfigError
+    from tasks.runtime import launch
+    from tasks.settings import load_config
+    from tests.support.toy_stage import train_worker
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["ray.enabled=true", "ray.stages=[ppo]", "bootstrap.max_steps=2"], environ={})
+    assert launch(config, "bootstrap", train_worker)["world_size"] == 1
+    assert not (tmp_path / ".icrl" / "ray").exists() and not (tmp_path / ".icrl" / "ray_results").exists()
+    with pytest.raises(ConfigError, match="ray.stages"):
+        load_config(None, ["ray.stages=[evaluate]"], environ={})

@@ -13,6 +13,7 @@ from tests.conftest import a_ray_train_worker_killed_after
 from tests.support.toy_stage import train_worker
 
 pytestmark = pytest.mark.integration
+LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def _config(workers: int, steps: int = 20):
 
 def test_a_killed_worker_is_replaced_and_two_workers_still_match_one(ray_session, monkeypatch):
     """Two data-parallel workers (half the batch each, gradients averaged) end where one worker on the full batch
-    ends, even when one of them is killed mid-run and its replacement resumes from the last checkpoint."""
+    ends, even when one of them is killed mid-run and its replacement resumes from the last checkpoint. While they
+    train, rank 0 listens on 127.0.0.1 only: torch.distributed's rendezvous store binds every interface unless
+    told otherwise (tasks.ray_train.bind_rendezvous_to_master_addr)."""
     monkeypatch.setenv("ICRL_TOY_STEP_SECONDS", "0.4")
     config = _config(2, steps=12)
     uninterrupted = launch(load_config(None, ["bootstrap.max_steps=12", "bootstrap.save_steps=5"], environ={}),
@@ -45,6 +48,7 @@ def test_a_killed_worker_is_replaced_and_two_workers_still_match_one(ray_session
     assert killed, "no Ray Train worker was found to kill"
     assert result["world_size"] == 2 and uninterrupted["world_size"] == 1
     assert result["weight"] == pytest.approx(uninterrupted["weight"], abs=1e-5)
+    assert result["listening"] and set(result["listening"]) <= set(LOOPBACK), result
 
 
 def test_local_ray_workers_run_at_the_configured_niceness(ray_session):
@@ -58,9 +62,6 @@ def test_local_ray_workers_run_at_the_configured_niceness(ray_session):
     ensure_ray(_config(1).ray)
     niceness = ray.get(ray.remote(num_cpus=1)(lambda: os.nice(0)).remote())
     assert niceness == os.nice(0) + _config(1).ray.worker_niceness
-
-
-LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1")
 
 
 def test_ray_listens_on_loopback_only(ray_session):
@@ -77,15 +78,6 @@ def test_ray_listens_on_loopback_only(ray_session):
     assert listening, "expected Ray to listen on some ports"
     for conn in listening:
         assert conn.laddr.ip in LOOPBACK, conn
-
-
-def test_a_training_workers_rendezvous_store_listens_on_loopback_only(ray_session):
-    """torch.distributed's store on rank 0 binds every interface unless told otherwise; while a job trains, its
-    workers listen on 127.0.0.1 only (tasks.ray_train.bind_rendezvous_to_master_addr)."""
-    from tests.support.toy_stage import listening_worker
-
-    result = launch(_config(2), "bootstrap", listening_worker)
-    assert result["listening"] and set(result["listening"]) <= set(LOOPBACK), result
 
 
 def test_a_job_stopped_for_memory_becomes_one_resumable_user_error(tmp_path):

@@ -47,14 +47,10 @@ def train_worker(config, runtime) -> dict:
         delay = float(os.environ.get("ICRL_TOY_STEP_SECONDS", "0"))
         if delay:
             time.sleep(delay)
-    return {"final_loss": float(loss.item()) / distributed.world_size(),
-            "weight": [round(float(w), 6) for w in model.weight.detach().view(-1)], "rank": runtime.rank,
-            "world_size": runtime.world_size}
-
-
-def listening_worker(config, runtime) -> dict:
-    """A stage that reports the addresses its worker process listens on (the process group is set up by then)."""
     import psutil
 
-    return {"listening": sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
-                                 if c.status == "LISTEN"}), "rank": runtime.rank}
+    # the addresses this process listens on while its process group is up (rank 0 holds the rendezvous store)
+    listening = sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="tcp") if c.status == "LISTEN"})
+    return {"final_loss": float(loss.item()) / distributed.world_size(),
+            "weight": [round(float(w), 6) for w in model.weight.detach().view(-1)], "rank": runtime.rank,
+            "world_size": runtime.world_size, "listening": listening}

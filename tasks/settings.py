@@ -88,8 +88,8 @@ class RayConfig(Section):
                                        "restarting from its last checkpoint.")] = 2
     enabled: Annotated[bool, Field(description="Run training stages as Ray Train jobs (off: in-process).")] = False
     stages: Annotated[list[TrainingStage] | None, Field(description="With ray.enabled, the training stages that "
-                                                         "run as Ray Train jobs (the others in-process). Empty: "
-                                                         "all of them.")] = None
+                                                         "run as Ray Train jobs, the others in-process. Unset "
+                                                         "(null): all of them.")] = None
     worker_niceness: Annotated[int, Field(ge=0, le=19, description="Niceness of a local Ray's worker processes. "
                                           "Ray's own default, 15, makes training jobs starve behind any other "
                                           "CPU job on a small shared machine; 0 runs them like the driver.")] = 0

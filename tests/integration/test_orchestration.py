@@ -2,10 +2,10 @@
 
 - a real Prefect server on 127.0.0.1, `prefect deploy --all` to a process work pool, a worker, and a pipeline
   run triggered through the REST API (what the UI's "Run" button does), seen to complete with every stage task
-  completed and logged; the run goes Prefect -> `dvc repro` -> `icrl stage` (ppo as a Ray Train job; the other
-  training stages in-process, `ray.stages`: each Ray Train job costs ~35 s of start-up and teardown here, and
-  Ray Train's mechanics are tested in tests/integration/test_ray_train.py and test_ray_ppo.py) -> MLflow and ends with a registered model version whose alias the real promotion gates decided; the
-  promotion deployment takes no metric;
+  completed and logged; the run goes Prefect -> `dvc repro` -> `icrl stage` -> MLflow and ends with a registered
+  model version whose alias the real promotion gates decided; the promotion deployment takes no metric. Only ppo
+  runs as a Ray Train job (`ray.stages`), the other training stages in-process: each Ray Train job costs ~35 s
+  of start-up and teardown here, and Ray Train's mechanics are tested in test_ray_train.py and test_ray_ppo.py;
 - `dvc repro` again runs nothing; a bootstrap rerun that gives the same weights reruns nothing downstream;
   `dvc exp run -S evaluate.forgetting_questions=...` reruns only evaluate and promote (an evaluation parameter:
   no training stage's ~40 s of Ray start-up per run in the suite);

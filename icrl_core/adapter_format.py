@@ -198,6 +198,38 @@ def convert_adapter(folder: Path | str, output: Path | str | None = None, spec: 
     return target
 
 
+def interpolate_adapter(folder: Path | str, scale: float, output: Path | str, load_policy=None) -> Path:
+    """Write base + scale * (trained - base) as an adapter folder at `output`, atomically (WiSE-FT; see
+    Policy.interpolate_to_reference). A LoRA folder in PEFT's files (format 2, or a plain PEFT folder) needs no
+    base model: its delta is (alpha / r) * B @ A, so every lora_B tensor is scaled in the file and the other files
+    are copied as they are. Other adapters (last_blocks, format 1) are loaded onto their base model by
+    `load_policy()` (default: policy_for_adapter(folder)), interpolated there and saved."""
+    import shutil
+
+    from safetensors import safe_open
+
+    if not 0.0 <= scale <= 1.0:
+        raise UserError(f"interpolation scale must be in [0, 1], got {scale}")
+    folder = Path(folder)
+    meta = read_meta(folder)
+    kind = ((meta or {}).get("adapter") or {}).get("kind")
+    if is_legacy(folder) or kind != "lora" or not (folder / PEFT_WEIGHTS).is_file():
+        policy = load_policy() if load_policy is not None else policy_for_adapter(folder)
+        policy.interpolate_to_reference(scale)
+        policy.save_adapter(output)
+        return Path(output)
+    tensors = load_safetensors(folder / PEFT_WEIGHTS)
+    with safe_open(str(folder / PEFT_WEIGHTS), framework="pt") as handle:
+        metadata = handle.metadata()
+    scaled = {name: tensor * scale if "lora_B" in name else tensor for name, tensor in tensors.items()}
+    with atomic_dir(output) as tmp:
+        for path in folder.iterdir():
+            if path.is_file() and path.name != PEFT_WEIGHTS:
+                shutil.copy2(path, tmp / path.name)
+        save_file(scaled, str(tmp / PEFT_WEIGHTS), metadata=metadata)
+    return Path(output)
+
+
 def export_merged(folder: Path | str, output: Path | str, spec: str | None = None, dtype: str = "float32") -> Path:
     """A transformers model folder with the adapter merged into the base weights (W + (alpha/r) B A for LoRA, the
     trained blocks in place for last_blocks) and the tokenizer, loadable by AutoModelForCausalLM.from_pretrained.

@@ -271,14 +271,13 @@ def model_interpolate(
     output: Annotated[Path, typer.Option(help="Folder for the interpolated adapter (written atomically).",
                                          show_default=False, **OUTPUT_FOLDER)],
     spec: Annotated[str | None, typer.Option(help="Base model spec the adapter was trained on (default: the one "
-                                                "the adapter folder names).")] = None,
+                                                "the adapter folder names); a LoRA adapter in PEFT's files is "
+                                                "scaled in its files and needs none.")] = None,
 ) -> None:
     """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
-    from icrl_core.adapter_format import policy_for_adapter, require_adapter
+    from icrl_core.adapter_format import interpolate_adapter, policy_for_adapter, require_adapter
 
-    policy = policy_for_adapter(require_adapter(adapter, "adapter"), spec)
-    policy.interpolate_to_reference(scale)
-    policy.save_adapter(output)
+    interpolate_adapter(require_adapter(adapter, "adapter"), scale, output, lambda: policy_for_adapter(adapter, spec))
     console().print(f"{output}: base + {scale:g} x ({adapter} - base)")
 
 

@@ -189,13 +189,11 @@ def general_ability(config: PipelineConfig, adapter: Path | None, position: int 
 
 
 def interpolated_adapter(config: PipelineConfig, source: Path, scale: float, target: Path) -> Path:
-    """Write base + scale * (trained - base) as an adapter folder (see Policy.interpolate_to_reference)."""
+    """Write base + scale * (trained - base) as an adapter folder (icrl_core.adapter_format.interpolate_adapter)."""
+    from icrl_core.adapter_format import interpolate_adapter
     from icrl_core.model import policy_from_config
 
-    policy = policy_from_config(config.model, init_adapter=source)
-    policy.interpolate_to_reference(scale)
-    policy.save_adapter(target)
-    return target
+    return interpolate_adapter(source, scale, target, lambda: policy_from_config(config.model, init_adapter=source))
 
 
 def forgetting_probe_metrics(base: dict, trained: dict) -> dict:

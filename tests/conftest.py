@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -94,12 +95,29 @@ def in_tmp(tmp_path, monkeypatch):
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run the real `icrl` console script; return the CompletedProcess."""
-    import subprocess
-
     exe = Path(sys.executable).parent / "icrl"
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([str(exe), *args], cwd=cwd or ROOT, env=full_env, check=False, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def call_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Call the `icrl` CLI in this process (`tasks.cli.main`, the console script's function) from `cwd`; a
+    CompletedProcess as run_cli returns. For commands whose process is not what the test is about: a console-script
+    subprocess costs ~5 s of interpreter start-up and imports."""
+    import contextlib
+    import io
+
+    from tasks.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["icrl", *args], code, out.getvalue(), err.getvalue())
 
 
 def own_ray_train_workers() -> list:

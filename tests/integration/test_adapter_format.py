@@ -15,7 +15,7 @@ from icrl_core.adapter_format import META, PEFT_CONFIG, PEFT_WEIGHTS, VALUE_HEAD
 from icrl_core.config import LastBlocksAdapter, LoraAdapter
 from icrl_core.io import sha256_folder
 from icrl_core.model import load_base_model, load_policy, resolve_spec, saved_adapter
-from tests.conftest import run_cli
+from tests.conftest import call_cli
 from tests.unit.test_adapter_format import _ids, _logits, _perturb
 
 
@@ -74,7 +74,7 @@ def test_old_layout_loads_and_converts_with_one_command(tmp_path):
                          init_adapter=tmp_path / "old")
     assert torch.equal(_logits(loaded, ids), expected)
 
-    done = run_cli("model", "convert", str(tmp_path / "old"), cwd=tmp_path)  # in place
+    done = call_cli("model", "convert", str(tmp_path / "old"), cwd=tmp_path)  # in place
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted([PEFT_CONFIG, PEFT_WEIGHTS, META,
                                                                           VALUE_HEAD])
@@ -88,7 +88,7 @@ def test_old_layout_loads_and_converts_with_one_command(tmp_path):
     # the same weights saved by the pipeline: the same bytes
     policy.save_adapter(tmp_path / "new")
     assert sha256_folder(tmp_path / "new") == sha256_folder(tmp_path / "old")
-    missing = run_cli("model", "convert", str(tmp_path / "nowhere"), cwd=tmp_path)
+    missing = call_cli("model", "convert", str(tmp_path / "nowhere"), cwd=tmp_path)
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
 
 
@@ -103,8 +103,8 @@ def test_export_merge_writes_a_model_transformers_loads_with_the_same_logits(tmp
     _perturb(policy)
     policy.save_adapter(tmp_path / "adapter")
     if adapter.kind == "lora":  # the command once; the other kind through the function it calls
-        done = run_cli("model", "export", str(tmp_path / "adapter"), "--merge", "--output",
-                       str(tmp_path / "merged"), cwd=tmp_path)
+        done = call_cli("model", "export", str(tmp_path / "adapter"), "--merge", "--output",
+                        str(tmp_path / "merged"), cwd=tmp_path)
         assert done.returncode == 0, done.stderr
     else:
         export_merged(tmp_path / "adapter", tmp_path / "merged")

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import run_cli
+from tests.conftest import call_cli, run_cli
 
 MEASURED = ("seconds", "tokens_computed", "prob")  # depend on what was cached, not on the protocol
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -63,21 +63,20 @@ def test_eval_run_folder_tracking_and_tools(tmp_path):
     other = run_cli(*_eval_args(tmp_path, "naive", 30, "--strategy", "naive", "--no-tracking"), cwd=tmp_path,
                     env=ENV)
     assert other.returncode == 0, other.stderr
-    counted = run_cli("count-tokens", str(run_dir), str(tmp_path / "runs" / "naive"), cwd=tmp_path, env=ENV)
+    counted = call_cli("count-tokens", str(run_dir), str(tmp_path / "runs" / "naive"), cwd=tmp_path)
     assert counted.returncode == 0 and "reuse factor" in counted.stdout and "full" in counted.stdout
-    inspected = run_cli("inspect", str(run_dir), "--window", "20", "--json", cwd=tmp_path, env=ENV)
+    inspected = call_cli("inspect", str(run_dir), "--window", "20", "--json", cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr
     report = json.loads(inspected.stdout)
     assert [w["first_step"] for w in report["windows"]] == [0, 20, 40]
     assert [e["step"] for e in report["evaluations"]] == [0, 19, 39, 59]
-    table = run_cli("inspect", str(run_dir), cwd=tmp_path, env=ENV)
+    table = call_cli("inspect", str(run_dir), cwd=tmp_path)
     assert table.returncode == 0 and "top label share" in table.stdout
     png = tmp_path / "cmp.png"
-    plotted = run_cli("plot", str(run_dir), str(tmp_path / "runs" / "naive"), "--output", str(png), "--title", "t",
-                      cwd=tmp_path, env=ENV)
+    plotted = call_cli("plot", str(run_dir), str(tmp_path / "runs" / "naive"), "--output", str(png), "--title", "t",
+                       cwd=tmp_path)
     assert plotted.returncode == 0 and png.stat().st_size > 10_000
-    cap = run_cli("max-examples", "--model", "tiny", "--task", "keyword_map", "--window", "1024", cwd=tmp_path,
-                  env=ENV)
+    cap = call_cli("max-examples", "--model", "tiny", "--task", "keyword_map", "--window", "1024", cwd=tmp_path)
     assert cap.returncode == 0 and int(cap.stdout.strip().splitlines()[-1]) > 5
 
 

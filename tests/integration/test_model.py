@@ -52,13 +52,13 @@ def test_smollm2_answers_a_factual_question_offline(smollm2, monkeypatch):
 def test_model_interpolate_cli_writes_the_interpolated_adapter(tmp_path):
     from safetensors.torch import load_file
 
-    from tests.conftest import run_cli
+    from tests.conftest import call_cli
 
     policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8))
     _perturb_trainable(policy)
     policy.save_adapter(tmp_path / "trained")
-    done = run_cli("model", "interpolate", str(tmp_path / "trained"), "--scale", "0.5", "--output",
-                   str(tmp_path / "half"), "--spec", "tiny", cwd=tmp_path)
+    done = call_cli("model", "interpolate", str(tmp_path / "trained"), "--scale", "0.5", "--output",
+                    str(tmp_path / "half"), "--spec", "tiny", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     trained = load_file(tmp_path / "trained" / "adapter_model.safetensors")
     half = load_file(tmp_path / "half" / "adapter_model.safetensors")
@@ -66,6 +66,6 @@ def test_model_interpolate_cli_writes_the_interpolated_adapter(tmp_path):
     for name, tensor in trained.items():
         assert torch.allclose(half[name], tensor * (0.5 if "lora_B" in name else 1.0)), name
     assert saved_adapter(tmp_path / "half") == LoraAdapter(rank=4, alpha=8)
-    missing = run_cli("model", "interpolate", str(tmp_path / "nowhere"), "--scale", "0.5", "--output",
-                      str(tmp_path / "x"), "--spec", "tiny", cwd=tmp_path)
+    missing = call_cli("model", "interpolate", str(tmp_path / "nowhere"), "--scale", "0.5", "--output",
+                       str(tmp_path / "x"), "--spec", "tiny", cwd=tmp_path)
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -109,6 +109,35 @@ def test_interpolation_to_reference_is_base_plus_scaled_change(tiny, tmp_path, k
         policy.interpolate_to_reference(1.5)
 
 
+@pytest.mark.parametrize("kind", ["lora", "last_blocks"])
+def test_an_interpolated_adapter_folder_gives_the_interpolated_policy(tiny, tmp_path, monkeypatch, kind):
+    """interpolate_adapter writes what Policy.interpolate_to_reference + save_adapter would: the same logits once
+    loaded, the value head kept. A LoRA folder is scaled in its files, without loading the base model."""
+    from icrl_core.adapter_format import interpolate_adapter
+
+    adapter = LoraAdapter(rank=4, alpha=8) if kind == "lora" else LastBlocksAdapter(n_blocks=1)
+    policy = load_policy("tiny", seed=0, adapter=adapter, value_head=True)
+    _perturb_trainable(policy)
+    policy.save_adapter(tmp_path / "trained")
+    policy.interpolate_to_reference(0.25)
+    if kind == "lora":
+        def no_model(*args, **kwargs):
+            raise AssertionError("a LoRA folder was interpolated through its base model")
+
+        monkeypatch.setattr("icrl_core.adapter_format.policy_for_adapter", no_model)
+    interpolate_adapter(tmp_path / "trained", 0.25, tmp_path / "quarter")
+    monkeypatch.undo()
+    loaded = load_policy("tiny", seed=0, adapter=adapter, value_head=True, init_adapter=tmp_path / "quarter")
+    ids = _ids(policy)
+    with torch.no_grad():
+        expected, values, _ = policy.forward(ids, with_values=True)
+        got, got_values, _ = loaded.forward(ids, with_values=True)
+    assert torch.allclose(got, expected, atol=1e-6) and torch.equal(got_values, values)
+    with pytest.raises(UserError, match=r"\[0, 1\]"):
+        interpolate_adapter(tmp_path / "trained", -0.5, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
 def test_value_head_save_load_round_trip(tmp_path):
     head = ValueHead(16)
     hidden = torch.randn(2, 5, 16)

@@ -1,6 +1,7 @@
-"""The `icrl config` commands through the real console script: a bad override or a bad layer exits 2 naming
-it, `config show --origin` names where every value comes from, and docs/CONFIG.md is `config docs`' output.
-The config schema and its layers in-process: tests/unit/test_config.py."""
+"""The `icrl config` commands: a bad override exits 2 naming it and `config show --origin` names where every
+value comes from, through the real console script; a bad layer exits 2 naming it, and docs/CONFIG.md is
+`config docs`' output, through the CLI in this process (a console script costs ~5 s per call). The config schema
+and its layers: tests/unit/test_config.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import yaml
 
 from tasks.settings import describe_fields, load_config
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, call_cli, run_cli
 from tests.unit.test_config import BAD_FILES, _bad_layer, _three_layers
 
 
@@ -55,13 +56,13 @@ def test_cli_exits_2_naming_the_bad_layer(tmp_path, position, kind):
     files = _three_layers(tmp_path)
     files[position] = _bad_layer(tmp_path, kind)
     args = [arg for path in files for arg in ("-c", str(path))]
-    result = run_cli("config", "show", *args, cwd=tmp_path)
+    result = call_cli("config", "show", *args, cwd=tmp_path)
     assert result.returncode == 2
     assert str(files[position]) in result.stderr and BAD_FILES[kind][1] in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_config_reference_in_docs_is_generated_from_the_schema():
-    result = run_cli("config", "docs")
+    result = call_cli("config", "docs", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert (ROOT / "docs" / "CONFIG.md").read_text() == result.stdout, "regenerate: icrl config docs --output docs/CONFIG.md"

@@ -54,6 +54,8 @@ TINY_PIPELINE = {
     "adapt.num_requests": 1, "adapt.steps": 1,
     "icrl_eval.train_k": 6, "icrl_eval.test_every": 3, "icrl_eval.test_k": 4,
     "evaluate.forgetting_questions": 5,
+    "evaluate.workers": 1,  # the runs one after another here: a pool of two spawned interpreters costs ~10 s of
+                            # imports for seconds of work (the pool: tests/integration/test_evaluate_stage.py)
     "evaluate.forgetting_probe_items": 6,
     "evaluate.feedback_probe_target": "brom",  # a label of keyword_map at seed 0
     "evaluate.feedback_probe_queries": 3,

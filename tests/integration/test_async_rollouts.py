@@ -15,7 +15,7 @@ import torch
 from icrl_core.async_rollouts import behaviour_version
 from icrl_core.config import DataConfig, LoraAdapter, SyntheticSource
 from tasks.settings import load_config
-from tests.conftest import Killed, MemoryRuntime, run_cli
+from tests.conftest import Killed, MemoryRuntime, call_cli
 
 DATA = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=2)
 ASYNC_KEYS = ("async_version", "async_lag", "actor_rollout_seconds", "is_ratio_mean", "is_ratio_min",
@@ -210,8 +210,8 @@ def test_the_stage_runs_end_to_end_with_async_rollouts(ray_session, pool, tmp_pa
 
 
 def test_bad_async_settings_exit_2_with_one_message(tmp_path):
-    result = run_cli("stage", "ppo", "--set", "ppo.mode=stream", "--set",
-                     "ppo.async_rollouts={enabled: true, transport: file}", cwd=tmp_path)
+    result = call_cli("stage", "ppo", "--set", "ppo.mode=stream", "--set",
+                      "ppo.async_rollouts={enabled: true, transport: file}", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "transport=file needs weights_dir" in result.stderr
 

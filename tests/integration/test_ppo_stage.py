@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tasks.settings import load_config
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, call_cli, run_cli
 from tests.ppo_helpers import write_keyword_dataset
 from tests.unit.test_ppo_stage import TINY_PPO
 
@@ -114,5 +114,5 @@ def test_ppo_resumes_after_sigkill_with_the_same_final_metrics(tmp_path):
 
 
 def test_cli_has_ppo_and_adapt_options_documented():
-    result = run_cli("adapt", "--help", cwd=ROOT)
+    result = call_cli("adapt", "--help", cwd=ROOT)
     assert result.returncode == 0 and "--episode-id" in result.stdout and "untouched" in result.stdout

@@ -17,7 +17,9 @@ adapter_config.json.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -198,7 +200,8 @@ def convert_adapter(folder: Path | str, output: Path | str | None = None, spec: 
     return target
 
 
-def interpolate_adapter(folder: Path | str, scale: float, output: Path | str, load_policy=None) -> Path:
+def interpolate_adapter(folder: Path | str, scale: float, output: Path | str,
+                        load_policy: Callable[[], Any] | None = None) -> Path:
     """Write base + scale * (trained - base) as an adapter folder at `output`, atomically (WiSE-FT; see
     Policy.interpolate_to_reference). A LoRA folder in PEFT's files (format 2, or a plain PEFT folder) needs no
     base model: its delta is (alpha / r) * B @ A, so every lora_B tensor is scaled in the file and the other files

@@ -116,7 +116,7 @@ def call_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
             main(list(args))
             code = 0
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     return subprocess.CompletedProcess(["icrl", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from icrl_core.code_config import CodeConfig, CodeRolloutConfig  # noqa: F401  (CodeConfig: the pipeline's `code`)
-from icrl_core.objectives import ContextDistillation, Objective, PPOObjective
+from icrl_core.objective_config import ContextDistillation, Objective, PPOObjective
 from icrl_core.schema import Section
 
 # --------------------------------------------------------------------------------------------------------------

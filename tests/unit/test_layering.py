@@ -24,6 +24,21 @@ def test_icrl_core_imports_no_orchestration_package():
             assert f"import {pkg}" not in text and f"from {pkg}" not in text, (path, pkg)
 
 
+
+def test_cli_and_config_import_no_heavy_library():
+    """`icrl --help`, reading and validating a config and a user error's message do not wait for torch,
+    transformers or the orchestration packages (seconds of imports each): those load inside the commands."""
+    code = (
+        "import sys\n"
+        "from tasks.cli import app\n"
+        "from tasks.settings import load_config\n"
+        "load_config('params.yaml')\n"
+        "heavy = {'torch', 'transformers', 'peft', 'prefect', 'ray', 'mlflow', 'dvc', 'vllm'}\n"
+        "print(','.join(sorted({m.split('.')[0] for m in sys.modules} & heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"imported: {out.stdout}"
+
 def project_imports() -> dict[str, set[str]]:
     """Each project module (icrl_core, tasks, flows) -> the project modules it imports, at the top or inside a
     function (a deferred import still ties the two modules together)."""

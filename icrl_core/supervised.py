@@ -196,15 +196,17 @@ def apply_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimize
                  sums: dict[str, float], world: int, began: float) -> dict[str, float]:
     """One optimizer step from accumulated gradients: average them over ranks, clip their global norm to
     `max_grad_norm`, step optimizer and schedule. Returns the step's metrics: `sums` (scaled by the world size, so
-    their mean over ranks is the global value) averaged over ranks, tokens/s since `began`, the lr the step used and
-    the gradient norm before clipping."""
+    their mean over ranks is the global value) averaged over ranks, the forward tokens of all ranks, the seconds since
+    `began` (the step's start) and tokens/s over them, the lr the step used and the gradient norm before clipping."""
     distributed.average_gradients(params)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     metrics = distributed.mean_metrics(sums)
-    metrics["tokens_per_s"] = metrics.pop("tokens") * world / max(time.perf_counter() - began, 1e-9)
+    seconds = max(time.perf_counter() - began, 1e-9)
+    metrics["tokens"] *= world  # the step's forward tokens over all ranks
+    metrics.update({"tokens_per_s": metrics["tokens"] / seconds, "step_seconds": seconds})
     metrics.update({"lr": lr, "grad_norm": grad_norm})
     return metrics
 

@@ -93,6 +93,16 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+TIMING_KEYS = frozenset({"tokens_per_s", "step_seconds", "seconds"})  # differ between two runs of the same work
+
+
+def timeless(metrics):
+    """A metrics dict, or a list of them (a history), without the wall-clock keys (TIMING_KEYS)."""
+    if isinstance(metrics, dict):
+        return {k: v for k, v in metrics.items() if k not in TIMING_KEYS}
+    return [timeless(row) for row in metrics]
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run the real `icrl` console script; return the CompletedProcess."""
     exe = Path(sys.executable).parent / "icrl"

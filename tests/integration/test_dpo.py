@@ -14,7 +14,7 @@ from icrl_core.config import DPOConfig
 from icrl_core.dpo import train_dpo
 from icrl_core.supervised import episode_pairs
 from tasks.settings import load_config
-from tests.conftest import Killed, MemoryRuntime
+from tests.conftest import Killed, MemoryRuntime, timeless
 from tests.stage_helpers import keyword_rows, stage_args
 from tests.unit.test_dpo import _policy, _start_adapter
 
@@ -43,7 +43,6 @@ def test_dpo_raises_preference_accuracy_and_resumes_exactly(tokens):
         train_dpo(_policy(), pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved, kill_after=2))
     resumed_policy = _policy()
     _, resumed_history = train_dpo(resumed_policy, pairs, val, _cfg(), seed=1, runtime=MemoryRuntime(saved))
-    timeless = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
     assert timeless(resumed_history) == timeless(history)
     assert all(torch.equal(weights[k], v) for k, v in resumed_policy.trainable_state_dict().items())
     ipo, _ = train_dpo(_policy(), pairs, val, _cfg(loss="ipo", max_steps=2), seed=1, runtime=MemoryRuntime())

@@ -17,17 +17,16 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.settings import load_config
-from tests.conftest import run_cli
+from tests.conftest import TIMING_KEYS, run_cli
 from tests.stage_helpers import stage_args
 
 # Enough steps that the kill lands well before the end; timing keys differ between runs by nature.
 BOOTSTRAP = ("bootstrap.max_steps=8", "bootstrap.save_steps=2", "bootstrap.eval_steps=4", "bootstrap.batch_size=2",
              "bootstrap.grad_accum=2", "bootstrap.learning_rate=3e-3", "bootstrap.max_eval_episodes=4")
-TIMING = {"tokens_per_s", "seconds"}
 
 
 def _metrics(stdout: str) -> dict:
-    return {k: v for k, v in json.loads(stdout[stdout.index("{"):]).items() if k not in TIMING}
+    return {k: v for k, v in json.loads(stdout[stdout.index("{"):]).items() if k not in TIMING_KEYS}
 
 
 def _checkpoints(root: Path) -> list[Path]:

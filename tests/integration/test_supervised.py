@@ -13,6 +13,7 @@ from icrl_core.checkpoint import list_checkpoints
 from icrl_core.config import BootstrapConfig
 from icrl_core.supervised import train_bootstrap
 from tasks.runtime import LocalRuntime
+from tests.conftest import timeless
 from tests.stage_helpers import keyword_rows
 from tests.unit.test_supervised import _lora_policy
 
@@ -35,7 +36,7 @@ def test_bootstrap_is_deterministic_and_resumes_bitwise(tmp_path, tokens):
         runs[name] = (metrics, policy.trainable_state_dict(), history)
     (ma, wa, ha), (mb, wb, _) = runs["a"], runs["b"]
     assert ha[-1]["loss"] < ha[0]["loss"]  # it learns
-    assert {k: v for k, v in ma.items() if k != "tokens_per_s"} == {k: v for k, v in mb.items() if k != "tokens_per_s"}
+    assert timeless(ma) == timeless(mb)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # resume: a fresh run that finds only the step-3 checkpoint ends exactly where the full run ended
     step3 = [p for p in list_checkpoints(tmp_path / "a") if p.name.endswith("00000003")]
@@ -46,11 +47,8 @@ def test_bootstrap_is_deterministic_and_resumes_bitwise(tmp_path, tokens):
     mr, hr = train_bootstrap(policy, train, val, _cfg(), seed=7, runtime=runtime)
     assert [h["step"] for h in runtime.history] == [4, 5, 6]
 
-    def no_timing(history):
-        return [{k: v for k, v in h.items() if k != "tokens_per_s"} for h in history]
-
-    assert no_timing(hr) == no_timing(ha)  # the history before the checkpoint comes back with it
-    assert {k: v for k, v in mr.items() if k != "tokens_per_s"} == {k: v for k, v in ma.items() if k != "tokens_per_s"}
+    assert timeless(hr) == timeless(ha)  # the history before the checkpoint comes back with it
+    assert timeless(mr) == timeless(ma)
     wr = policy.trainable_state_dict()
     assert all(torch.equal(wa[k], wr[k]) for k in wa)
 

@@ -396,6 +396,43 @@ def stream_rl_gate() -> str:
             "over the queries (settings 4-8 rerun with per-query numbers: same means; settings 1-3 stored only means).\n")
 
 
+def stream_rl_ablation() -> str:
+    """The objective ablation of experiments/icrl_stream_rl (addendum 15): each arm's gate-1 probe, its validation
+    streams on the training tasks over its iterations, and its compute."""
+    results = _json("experiments/icrl_stream_rl/results.json")
+    arms = results.get("ablation", {})
+    if not arms:
+        return "No arm has finished yet.\n"
+    names = {"ppo": "PPO", "grpo": "GRPO", "rloo": "RLOO", "dpo_rank": "DPO-rank"}
+    rows = []
+    for arm, a in arms.items():
+        p, gap = a["probe"], _signed(a["gate1_gap"])
+        gap4 = _signed(p["p_target"]["n4_right"] - p["p_target"]["n4_wrong"])
+        if "gap_ci95" in p:
+            gap += " [" + ", ".join(_signed(x) for x in p["gap_ci95"]) + "]"
+        if "gap4_ci95" in p:
+            gap4 += " [" + ", ".join(_signed(x) for x in p["gap4_ci95"]) + "]"
+        reward = ", ".join(f"{r['val_reward']:.2f}" for r in a["validation_training_tasks"])
+        switch = ", ".join(f"{r['val_switch_after_wrong']:.2f}" for r in a["validation_training_tasks"])
+        c = a["compute"]
+        tokens = "-" if c["update_tokens"] is None else f"{c['update_tokens'] / 1e6:.2f} M"
+        wall = "-" if c["loop_seconds"] is None else f"{c['loop_seconds'] / 60:.0f} min"
+        rows.append([names.get(arm, arm), _fmt(p["p_target"]["n0"]), _fmt(p["p_gold"]["n0"]),
+                     _fmt(p["p_target"]["n1_wrong"]), _fmt(p["p_target"]["n1_right"]), gap, gap4,
+                     "passed" if a["gate1_passed"] else "failed", reward, switch, tokens, wall])
+    first = next(iter(arms.values()))
+    steps = ", ".join(str(r["iteration"]) for r in first["validation_training_tasks"])
+    return (_table(["arm (50 iterations from the bootstrap)", f"p(`{first['probe']['target']}`): no context",
+                    "p(gold): no context", "1 attempt marked wrong", "1 marked right", "right - wrong (n=1)",
+                    "right - wrong (n=4)",
+                    f"gate 1 (>= {results['gate1_margin']})", f"validation stream reward at iterations {steps}",
+                    "switch rate after a wrong answer", "update forward tokens", "loop wall time"], rows)
+            + f"\nProbe: {first['probe']['task']}, {first['probe']['queries']} queries, seed {first['probe']['seed']}, "
+            f"{first['probe']['dtype']}; [interval]: 95% paired bootstrap over the queries. Validation: the training "
+            "tasks' validation streams (the same draws at every evaluation). Wall time: the iterations' rollout and "
+            "update seconds summed from the history (resumes excluded), on the 2 cores.\n")
+
+
 def stream_rl_gate2() -> str:
     """Gate 2 of experiments/icrl_stream_rl: held-out trec_coarse test accuracy of the RL adapter, the bootstrap it
     started from and the base model, per seed (collect_gate2.py), and the pre-registered decision."""
@@ -597,6 +634,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "bench-sandbox": bench_sandbox,
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
+    "stream-rl-ablation": stream_rl_ablation,
     "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-gate2": stream_rl_gate2,
     "stream-rl-synthetic": stream_rl_synthetic,

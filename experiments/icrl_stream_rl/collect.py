@@ -7,6 +7,8 @@
         --setting 4=artifacts/dpo_hindsight:runs/gate1-s4/probe-rl.json \
         --describe 4="dpo stage (artifacts/dpo_hindsight), DPO on hindsight couples" \
         --lineage 12="after setting 10b's 20, opaque labels renamed per stream, fresh draws"
+    .venv/bin/python experiments/icrl_stream_rl/collect.py \
+        --ablation ppo=artifacts/ablation_ppo:runs/ablation-ppo/probe.json     (addendum 15's objective ablation)
 
 A setting's run folder is a ppo stage output (evals.json) or a dpo stage output (metrics.json with the
 validation numbers before and after; setting 4: DPO on hindsight couples, with their couple accuracy).
@@ -70,6 +72,49 @@ def setting_row(run_dir: Path, probe: Path, description: str | None = None, loss
             **({"hindsight_loss": loss} if loss else {})}
 
 
+def curve(run_dir: Path) -> list[dict]:
+    """The validation streams of the training tasks at every evaluation of the run (iteration 0 and every
+    eval_steps): a ppo run's evals.json, or the rows of a dpo run's history.json that carry them with the values
+    before training from its metrics.json."""
+    keep = ("val_reward", "val_switch_after_wrong")
+    if (run_dir / "evals.json").exists():
+        return [{"iteration": e["step"], **{k: round(e[k], 4) for k in keep}}
+                for e in json.loads((run_dir / "evals.json").read_text())]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    rows = [{"iteration": 0, "val_reward": round(metrics["val_stream_reward_before"], 4),
+             "val_switch_after_wrong": round(metrics["val_switch_after_wrong_before"], 4)}]
+    return rows + [{"iteration": h["step"], "val_reward": round(h["val_stream_reward"], 4),
+                    "val_switch_after_wrong": round(h["val_switch_after_wrong"], 4)}
+                   for h in json.loads((run_dir / "history.json").read_text()) if h.get("val_stream_reward") is not None]
+
+
+def compute(run_dir: Path) -> dict:
+    """The run's compute from its per-iteration history (which survives a resume, unlike the process's own
+    seconds): forward tokens of the updates, and wall time of the iterations (ppo: rollout + update seconds;
+    dpo: each step's seconds, logged from commit 4367837 on). None where the history does not carry them."""
+    history = json.loads((run_dir / "history.json").read_text())
+
+    def total(key: str) -> float | None:
+        return round(sum(h[key] for h in history), 1) if all(key in h for h in history) else None
+
+    seconds = total("step_seconds")
+    if seconds is None and all("rollout_seconds" in h and "update_seconds" in h for h in history):
+        seconds = round(sum(h["rollout_seconds"] + h["update_seconds"] for h in history), 1)
+    return {"iterations": len(history), "update_tokens": total("tokens"), "loop_seconds": seconds}
+
+
+def ablation_row(run_dir: Path, probe: Path) -> dict:
+    """One arm of the objective ablation (PREREGISTERED.md, addendum 15): gate 1 as for a setting, the validation
+    curve at every evaluation, and the arm's compute."""
+    row = probe_row(probe)
+    measured = json.loads(probe.read_text())
+    if "feedback_effect_ci95" in measured:  # the four-attempt effect's interval too (addendum 15 reports both)
+        row["gap4_ci95"] = [round(x, 4) for x in measured["feedback_effect_ci95"]["4"]]
+    gap = row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"]
+    return {"run": str(run_dir), "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN,
+            "validation_training_tasks": curve(run_dir), "compute": compute(run_dir)}
+
+
 def forgetting_row(path: Path) -> dict:
     """The forgetting measures of an adapter from a JSON of `tasks.evaluate.general_ability` for the base model and
     the adapter (`{"seconds", "base", "trained"}`): the 1509-item probe (gate 3) and the greedy check (addendum 14's
@@ -114,6 +159,8 @@ def main() -> None:
     parser.add_argument("--forgetting", action="append", default=[],
                         help="NAME=ABILITY_JSON: the base model's and the adapter's general_ability measurements "
                              "(forgetting.py writes it)")
+    parser.add_argument("--ablation", action="append", default=[],
+                        help="ARM=RUN_DIR:PROBE_JSON: an arm of the objective ablation (addendum 15)")
     args = parser.parse_args()
     out = HERE / "results.json"
     results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
@@ -133,10 +180,19 @@ def main() -> None:
     for item in args.forgetting:
         name, path = item.split("=", 1)
         results["settings"][name]["forgetting"] = forgetting_row(Path(path))
+    for item in args.ablation:
+        arm, paths = item.split("=", 1)
+        run_dir, probe = paths.split(":", 1)
+        results.setdefault("ablation", {})[arm] = ablation_row(Path(run_dir), Path(probe))
+    if "ablation" in results:  # the pre-registered order of the arms
+        order = ("ppo", "grpo", "rloo", "dpo_rank")
+        results["ablation"] = dict(sorted(results["ablation"].items(), key=lambda item: order.index(item[0])))
     results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
     out.write_text(json.dumps(results, indent=2) + "\n")
     for name, s in results["settings"].items():
         print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> gate 1 {'passed' if s['gate1_passed'] else 'failed'}")
+    for arm, a in results.get("ablation", {}).items():
+        print(f"ablation {arm}: gap {a['gate1_gap']:+.3f} -> gate 1 {'passed' if a['gate1_passed'] else 'failed'}")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
     .venv/bin/python bench/inference_engine.py             # the full bench (~1 h on a busy 2-core machine)
     .venv/bin/python bench/inference_engine.py --parts vllm --quick   # vllm vs torch only
 
-Writes bench/results/inference_engine.json (`--parts vllm` alone: bench/results/inference_engine_vllm.json), the
-machine's load averages before and after each part included.
+Writes bench/results/inference_engine.json (`--parts vllm` alone: bench/results/inference_engine_vllm.json;
+`--parts aggregate` alone: bench/results/inference_engine_aggregate.json), the machine's load averages before and
+after each part included.
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ def main() -> None:
                         help="vllm: needs the vllm extra; not part of the default run")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--output", help="default: bench/results/inference_engine.json "
-                        "(inference_engine_vllm.json for --parts vllm alone)")
+                        "(inference_engine_vllm.json / inference_engine_aggregate.json for --parts vllm / aggregate "
+                        "alone)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one_run(json.loads(args.one))))
@@ -380,7 +382,9 @@ def main() -> None:
     if "vllm" in args.parts:
         result["vllm"] = vllm_vs_torch(args)
     if args.output is None:
-        name = "inference_engine_vllm.json" if args.parts == ["vllm"] else "inference_engine.json"
+        # a part run alone gets its own file, so it does not replace the others' results
+        name = {("vllm",): "inference_engine_vllm.json", ("aggregate",): "inference_engine_aggregate.json"}.get(
+            tuple(args.parts), "inference_engine.json")
         args.output = str(ROOT / "bench" / "results" / name)
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     from icrl_core.io import atomic_write_json

@@ -207,7 +207,14 @@ def bench_inference_engine() -> str:
             rows.append(["naive (projected to 1000 steps)", r["engine"], r["mode"],
                          _fmt(r["projected_1000_steps_per_s"], 3), f"{r['projected_1000_step_speedup']:.2f}x", agree,
                          ">= 3x"])
-    agg = data.get("aggregate")
+    agg, agg_note = data.get("aggregate"), ""
+    agg_file = ROOT / "bench/results/inference_engine_aggregate.json"
+    if agg is None and agg_file.exists():  # `--parts aggregate` run on its own
+        agg_data = json.loads(agg_file.read_text(encoding="utf-8"))
+        agg = agg_data["aggregate"]
+        agg_note = (f" Aggregate rows: {agg['steps_per_run']} steps per run, seeds {agg['seeds'][0]}-{agg['seeds'][-1]}, "
+                    f"{'quick runs, ' if agg_data['quick'] else ''}measured {agg_data['finished'][:10]} "
+                    f"(`--parts aggregate`), load average {agg['pool']['load_avg']['before'][0]:.1f} before it.")
     if agg:
         for name in ("streams", "fused"):
             r = agg[name]
@@ -227,7 +234,8 @@ def bench_inference_engine() -> str:
                 f"{v['step_prediction_agreement']:.3f}.")
     return (_table(["measure", "engine", "mode", "steps/s", "vs the port", "prediction agreement", "target"], rows)
             + f"\n{data['task']}, {data['context_window']}-token window, {steps}one torch thread per run, the runs of a "
-            f"part side by side; {'quick runs, ' if data['quick'] else ''}measured {data['finished'][:10]}.{note}\n")
+            f"part side by side; {'quick runs, ' if data['quick'] else ''}measured {data['finished'][:10]}.{note}"
+            f"{agg_note}\n")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from icrl_core.adapter_format import load_safetensors, saved_adapter
+from icrl_core.adapter_format import load_value_head, saved_adapter
 from icrl_core.chat import Tokens
 from icrl_core.config import Adapter, FrozenAdapter, LastBlocksAdapter, LoraAdapter
 from icrl_core.device import module_device, resolve_device
@@ -201,9 +201,7 @@ class ValueHead(nn.Module):
 
     @classmethod
     def load(cls, path: Path | str) -> ValueHead:
-        tensors = load_safetensors(path)
-        if set(tensors) != {"linear.weight", "linear.bias"} or tensors["linear.weight"].ndim != 2:
-            raise CheckpointError(f"{path}: not a value head (tensors: {sorted(tensors)})")
+        tensors = load_value_head(path)
         head = cls(tensors["linear.weight"].shape[1])
         head.load_state_dict(tensors)
         return head

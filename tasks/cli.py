@@ -275,7 +275,8 @@ def model_interpolate(
                                                 "scaled in its files and needs none.")] = None,
 ) -> None:
     """Interpolate a trained adapter toward the base model (as evaluate.adapter_scale does in the pipeline)."""
-    from icrl_core.adapter_format import interpolate_adapter, policy_for_adapter, require_adapter
+    from icrl_core.adapter_format import require_adapter
+    from icrl_core.adapter_tools import interpolate_adapter, policy_for_adapter
 
     interpolate_adapter(require_adapter(adapter, "adapter"), scale, output, lambda: policy_for_adapter(adapter, spec))
     console().print(f"{output}: base + {scale:g} x ({adapter} - base)")
@@ -292,7 +293,8 @@ def model_convert(
     spec: Annotated[str | None, typer.Option(help="Base model spec, if the folder does not name it.")] = None,
 ) -> None:
     """Rewrite a saved adapter in the current format (PEFT's own files for LoRA; docs/FORMATS.md)."""
-    from icrl_core.adapter_format import convert_adapter, require_adapter
+    from icrl_core.adapter_format import require_adapter
+    from icrl_core.adapter_tools import convert_adapter
 
     target = convert_adapter(require_adapter(adapter, "adapter"), output, spec)
     console().print(f"{target}: adapter in the current format")
@@ -312,7 +314,8 @@ def model_export(
     = "float32",
 ) -> None:
     """Export a trained adapter: merged into a standalone model folder (--merge), or as a PEFT adapter folder."""
-    from icrl_core.adapter_format import convert_adapter, export_merged, require_adapter
+    from icrl_core.adapter_format import require_adapter
+    from icrl_core.adapter_tools import convert_adapter, export_merged
     from icrl_core.model import resolve_dtype
 
     require_adapter(adapter, "adapter")

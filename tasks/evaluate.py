@@ -189,8 +189,8 @@ def general_ability(config: PipelineConfig, adapter: Path | None, position: int 
 
 
 def interpolated_adapter(config: PipelineConfig, source: Path, scale: float, target: Path) -> Path:
-    """Write base + scale * (trained - base) as an adapter folder (icrl_core.adapter_format.interpolate_adapter)."""
-    from icrl_core.adapter_format import interpolate_adapter
+    """Write base + scale * (trained - base) as an adapter folder (icrl_core.adapter_tools.interpolate_adapter)."""
+    from icrl_core.adapter_tools import interpolate_adapter
     from icrl_core.model import policy_from_config
 
     return interpolate_adapter(source, scale, target, lambda: policy_from_config(config.model, init_adapter=source))

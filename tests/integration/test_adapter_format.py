@@ -97,7 +97,7 @@ def test_old_layout_loads_and_converts_with_one_command(tmp_path):
 def test_export_merge_writes_a_model_transformers_loads_with_the_same_logits(tmp_path, adapter):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from icrl_core.adapter_format import export_merged
+    from icrl_core.adapter_tools import export_merged
 
     policy = load_policy("tiny", adapter=adapter)
     _perturb(policy)

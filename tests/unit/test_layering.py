@@ -99,7 +99,4 @@ def test_cycle_finder_finds_a_circle():
 def test_project_modules_import_no_circle():
     """A circle (even through an import inside a function) means neither module can be understood, tested or
     moved without the other: the lower one must not know the upper one."""
-    # Known, came in with the PEFT adapter format (main, after this test was written): adapter_format imports
-    # model inside two functions (ValueHead, load_policy) while model imports adapter_format. To be removed.
-    known = [["icrl_core.adapter_format", "icrl_core.model"]]
-    assert [cycle for cycle in import_cycles(project_imports()) if cycle not in known] == []
+    assert import_cycles(project_imports()) == []

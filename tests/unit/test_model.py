@@ -113,7 +113,7 @@ def test_interpolation_to_reference_is_base_plus_scaled_change(tiny, tmp_path, k
 def test_an_interpolated_adapter_folder_gives_the_interpolated_policy(tiny, tmp_path, monkeypatch, kind):
     """interpolate_adapter writes what Policy.interpolate_to_reference + save_adapter would: the same logits once
     loaded, the value head kept. A LoRA folder is scaled in its files, without loading the base model."""
-    from icrl_core.adapter_format import interpolate_adapter
+    from icrl_core.adapter_tools import interpolate_adapter
 
     adapter = LoraAdapter(rank=4, alpha=8) if kind == "lora" else LastBlocksAdapter(n_blocks=1)
     policy = load_policy("tiny", seed=0, adapter=adapter, value_head=True)
@@ -124,7 +124,7 @@ def test_an_interpolated_adapter_folder_gives_the_interpolated_policy(tiny, tmp_
         def no_model(*args, **kwargs):
             raise AssertionError("a LoRA folder was interpolated through its base model")
 
-        monkeypatch.setattr("icrl_core.adapter_format.policy_for_adapter", no_model)
+        monkeypatch.setattr("icrl_core.adapter_tools.policy_for_adapter", no_model)
     interpolate_adapter(tmp_path / "trained", 0.25, tmp_path / "quarter")
     monkeypatch.undo()
     loaded = load_policy("tiny", seed=0, adapter=adapter, value_head=True, init_adapter=tmp_path / "quarter")

@@ -404,6 +404,12 @@ class StreamConfig(Section):
     context: StreamContext = Field(default_factory=NaiveStreamContext, description="Which past steps a step "
                                    "sees (the evaluation strategy the streams train under): naive (all, the "
                                    "default) or explorative (rewarded ones, each kept with probability p_keep).")
+    engine: Annotated[Literal["policy", "inference"], Field(
+        description="What decodes the rollouts: policy (the trained model's own KV cache, the default) or "
+                    "inference (the engine `inference.backend` names: torch, the exact reference, the same answers "
+                    "up to float rounding; vllm, its own copy of the base model serving the policy's adapter, "
+                    "saved for each rollout). The update always runs on the policy. Synchronous rollouts of the "
+                    "ppo stage (not async_rollouts, not the dpo stage's mined streams).")] = "policy"
 
 
 class AsyncRollouts(Section):
@@ -534,6 +540,9 @@ class PPOConfig(OptimFields):
                              "feedback in context is the task reward); use reward.kind=task")
         if self.distill.active and self.mode != "stream":
             raise ValueError("ppo.distill needs ppo.mode=stream (the teacher reads a stream's gold labels)")
+        if self.async_rollouts.enabled and self.stream.engine == "inference":
+            raise ValueError("ppo.stream.engine=inference decodes the synchronous rollouts; the rollout actors of "
+                             "async_rollouts decode with their own policy copy: use one or the other")
         if self.async_rollouts.enabled and self.mode != "stream":
             raise ValueError("async_rollouts.enabled needs ppo.mode=stream (token-mode rollouts run in the "
                              "trainer)")

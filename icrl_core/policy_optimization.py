@@ -33,7 +33,7 @@ from icrl_core.training_loop import Schedule, Trainer, run_loop
 
 
 def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, runtime, max_tokens: int,
-              scorer=None, stream_sources=None, code=None, rollout_source=None, replay=None
+              scorer=None, stream_sources=None, code=None, rollout_source=None, replay=None, rollout_engine=None
               ) -> tuple[dict[str, float], list[dict], list[dict]]:
     """PPO iterations 1..max_steps (resuming after the last checkpoint). Returns (summary, history, evals).
 
@@ -47,7 +47,8 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
     With `replay` = (train, validation) general-chat replay chats (icrl_core/replay.py) and `cfg.replay.beta` > 0,
     every optimizer step of iteration s adds `supervised.replay_step` on `cfg.replay.per_step` chats drawn as a
     pure function of (seed, s) (the same ones for the sub-steps of an iteration, as PPO reuses its rollouts), and
-    every evaluation the validation replay KL."""
+    every evaluation the validation replay KL. `rollout_engine` (stream_rl.RolloutEngine, `ppo.stream.engine:
+    inference`) decodes the synchronous stream rollouts and validation streams through an inference engine."""
     streams, code_mode = cfg.mode == "stream", cfg.mode == "code"
     per_step, what = {"stream": (cfg.stream.groups, "ppo.stream.groups"),
                       "code": (cfg.code.tasks_per_step, "ppo.code.tasks_per_step")}.get(
@@ -77,14 +78,14 @@ def train_ppo(policy, train_episodes, val_episodes, cfg: PPOConfig, seed: int, r
 
         def run_step(step: int, generator: torch.Generator) -> dict[str, float]:
             return stream_rl.stream_step(policy, optimizer, scheduler, sources, data, cfg, beta, seed, step,
-                                         generator, max_tokens, regularizer_of(step))
+                                         generator, max_tokens, regularizer_of(step), rollout_engine)
 
         if cfg.async_rollouts.enabled:
             runner, run_step = async_stream_steps(policy, optimizer, scheduler, sources, data, cfg, seed, max_tokens,
                                                   rollout_source, lambda: beta, regularizer_of)
 
         def run_eval() -> dict[str, float]:
-            return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens)
+            return stream_rl.evaluate_streams(policy, sources, data, cfg, seed, max_tokens, rollout_engine)
 
         has_val = cfg.stream.eval_groups > 0
     elif code_mode:

@@ -17,10 +17,13 @@ One iteration:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -277,22 +280,64 @@ def stream_tasks(sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration
             for group in groups]
 
 
+class RolloutEngine:
+    """Stream rollouts decoded by an inference engine (`ppo.stream.engine: inference`; streams.generate_streams).
+
+    `make_engine(policy)` builds the engine. Without `adapter_dir` the engine serves the live policy (the exact
+    torch engine) and is built for each rollout, so no prefix cache outlives the weights it was computed with.
+    With `adapter_dir` (an engine holding its own copy of the base model: vllm) it is built once and the policy's
+    adapter is saved for each rollout as a new folder there (a new version: the engine loads it per request and
+    never serves a stale one); the previous version's folder is removed."""
+
+    def __init__(self, make_engine: Callable, adapter_dir: Path | str | None = None):
+        self.make_engine = make_engine
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self.engine = None
+        self.version = 0
+
+    @contextlib.contextmanager
+    def serving(self, policy) -> Iterator[tuple[object, str | None]]:
+        """(engine, adapter folder or None) serving `policy`'s current weights for one rollout."""
+        if self.adapter_dir is None:
+            engine = self.make_engine(policy)
+            try:
+                yield engine, None
+            finally:
+                engine.close()
+            return
+        self.version += 1
+        folder = self.adapter_dir / f"version-{self.version:06d}"
+        policy.save_adapter(folder)
+        shutil.rmtree(self.adapter_dir / f"version-{self.version - 1:06d}", ignore_errors=True)
+        if self.engine is None:
+            self.engine = self.make_engine(policy)
+        yield self.engine, str(folder)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
 def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConfig, seed: int, iteration: int,
-                   max_tokens: int) -> list[Stream]:
-    """The `group_size` streams of each (group, task), draws by (seed, draw_key, group, stream)."""
-    streams: list[Stream] = []
-    for group, task in tasks:
-        rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g) for g in range(cfg.stream.group_size)]
-        streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context)
+                   max_tokens: int, engine: RolloutEngine | None = None) -> list[Stream]:
+    """The `group_size` streams of each (group, task), draws by (seed, draw_key, group, stream); decoded by
+    `engine` when given (one engine version for all of them), else by the policy's own KV cache."""
+    with engine.serving(policy) if engine is not None else contextlib.nullcontext((None, None)) as (served, adapter):
+        streams: list[Stream] = []
+        for group, task in tasks:
+            rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g) for g in range(cfg.stream.group_size)]
+            streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context,
+                                        served, adapter)
     return streams
 
 
 def roll_out(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration: int, groups: Sequence[int],
-             split: str, max_tokens: int) -> list[Stream]:
+             split: str, max_tokens: int, engine: RolloutEngine | None = None) -> list[Stream]:
     """The streams of `groups` at `iteration` (0: validation): tasks keyed by (split, iteration, group), draws
     by (seed, iteration, group, stream)."""
     return roll_out_tasks(policy, stream_tasks(sources, data, cfg, seed, iteration, groups, split), cfg, seed,
-                          iteration, max_tokens)
+                          iteration, max_tokens, engine)
 
 
 def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
@@ -315,12 +360,13 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
     }
 
 
-def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, max_tokens: int
-                     ) -> dict[str, float]:
+def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, max_tokens: int,
+                     engine: RolloutEngine | None = None) -> dict[str, float]:
     """The validation groups (tasks from the validation pools, the same draws at every evaluation)."""
     if cfg.stream.eval_groups == 0:
         return {}
-    streams = roll_out(policy, sources, data, cfg, seed, 0, range(cfg.stream.eval_groups), "val", max_tokens)
+    streams = roll_out(policy, sources, data, cfg, seed, 0, range(cfg.stream.eval_groups), "val", max_tokens,
+                       engine)
     stats = stream_statistics(streams)
     return {"val_accuracy": stats["mean_reward"], "val_reward": stats["mean_reward"],
             "val_reward_first_half": stats["reward_first_half"],
@@ -345,12 +391,13 @@ def distilled(policy, streams: Sequence[Stream], batch: StreamBatch, cfg: PPOCon
 
 
 def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PPOConfig, beta: float, seed: int,
-                step: int, generator: torch.Generator, max_tokens: int, regularizer=None) -> dict[str, float]:
-    """One iteration in stream mode: this worker's share of the groups rolled out, prepared, updated
-    (`regularizer`: an extra term in each optimizer step, `ppo.minibatch_epochs`)."""
+                step: int, generator: torch.Generator, max_tokens: int, regularizer=None,
+                engine: RolloutEngine | None = None) -> dict[str, float]:
+    """One iteration in stream mode: this worker's share of the groups rolled out (by `engine` when given),
+    prepared, updated (`regularizer`: an extra term in each optimizer step, `ppo.minibatch_epochs`)."""
     started = time.perf_counter()
     streams = roll_out(policy, sources, data, cfg, seed, step, shard(range(cfg.stream.groups)), "train",
-                       max_tokens)
+                       max_tokens, engine)
     return learn_from_streams(policy, optimizer, scheduler, streams, cfg, beta, generator, started,
                               time.perf_counter() - started, regularizer=regularizer)
 

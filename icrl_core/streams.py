@@ -217,14 +217,52 @@ def _walk_trie(cache: BatchedCache, hidden: torch.Tensor, trie: LabelTrie, head,
     return answer, decisions, node
 
 
+def _walk_engine(engine, adapter: str | None, prompts: Sequence[Sequence[int]], shared: Sequence[int],
+                 trie: LabelTrie, rngs: Sequence[np.random.Generator], temperature: float
+                 ) -> tuple[list[list[int]], list[list[Decision]], list[int]]:
+    """`_walk_trie` through an inference engine (icrl_core/inference): one `walk_tries` request per row, the
+    same decision rule and draws (one per branching node, from the row's rng, in root-down order), the
+    decisions' log-probs from the engine's node scores. prompts: each row's whole prompt; shared: the length of
+    its context part (the engine's prefix-reuse hint). -> (answer token ids, decisions, leaf node) per row."""
+    from icrl_core.inference.base import TrieRequest
+
+    decisions: list[list[Decision]] = [[] for _ in prompts]
+
+    def choose(row: int, node: int, scores: np.ndarray) -> int:
+        values = np.asarray(scores, dtype=np.float64)
+        pick = sample_child(values, temperature, rngs[row])
+        prob = float(child_distribution(values, temperature)[pick])
+        # the token before the decided one: the prompt's last (root) or the answer's depth-th so far
+        decisions[row].append(Decision(len(prompts[row]) + trie.depth[node] - 1,
+                                       tuple(trie.token[c] for c in trie.children[node]), pick, math.log(prob)))
+        return pick
+
+    requests = [TrieRequest(tuple(prompt), trie, adapter, shared_length=length)
+                for prompt, length in zip(prompts, shared)]
+    leaves = engine.walk_tries(requests, choose)
+    answers = []
+    for leaf in leaves:
+        path, node = [], leaf
+        while node != ROOT:
+            path.append(trie.token[node])
+            node = trie.parent[node]
+        answers.append(path[::-1])
+    return answers, decisions, leaves
+
+
 @torch.no_grad()
 def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
-                     group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None
-                     ) -> list[Stream]:
+                     group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None,
+                     engine=None, adapter: str | None = None) -> list[Stream]:
     """Run len(rngs) streams of `task` together: at each step render every stream's context (`context`: which
     past steps it shows; default naive, all of them) + query, walk the label trie deciding at each branching node
     with that stream's rng, reward the label, add the episode to its history. Naive streams share one KV cache in
-    which each row only grows; explorative steps start a fresh one (their contexts are new subsets)."""
+    which each row only grows; explorative steps start a fresh one (their contexts are new subsets).
+
+    With `engine` (an InferenceEngine, `ppo.stream.engine: inference`) the answers are decoded by it instead,
+    `adapter` naming the weights it serves (None: the engine's own, e.g. a torch engine around `policy`): the
+    same draws and decision rule, so the same answers up to the float rounding of another computation; the
+    token sequences, rewards and decisions are recorded as above for the update, which `policy` computes."""
     if temperature <= 0:
         raise UserError("stream rollouts sample their answers: the temperature must be > 0")
     context = context or NaiveStreamContext()
@@ -239,18 +277,20 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     # explorative: each stream's context draws come from its own rng (drawn once, before its decoding draws)
     selectors = ([Explorative(max_examples=len(task.queries), seed=int(rng.integers(2**31)), p_keep=context.p_keep)
                   for rng in rngs] if context.kind == "explorative" else None)
-    cache = BatchedCache(policy, n) if selectors is None else None  # explorative: a fresh one per step
+    # explorative: a fresh one per step; with an engine, the engine keeps its own caches
+    cache = BatchedCache(policy, n) if selectors is None and engine is None else None
     histories: list[list[EpisodeRecord]] = [[] for _ in range(n)]
     fed: list[list[int]] = [[] for _ in range(n)]
     sequences: list[list[list[int]]] = [[] for _ in range(n)]
     steps: list[list[StreamStep]] = [[] for _ in range(n)]
     for t, example in enumerate(task.queries):
-        news = []
+        news, shared = [], []
         for g in range(n):
             shown = (histories[g] if selectors is None
                      else [histories[g][i] for i in selectors[g].select(histories[g], t)])
             context_ids, user_open = render_context(tokens, template, shown, STREAM_VIEW)
             prompt = list(context_ids) + render_query(tokens, template, example.text, user_open)
+            shared.append(len(context_ids))
             if len(prompt) + trie.max_depth > max_tokens:
                 raise UserError(f"a stream of {len(task.queries)} steps outgrows the {max_tokens}-token window at "
                                 f"step {t}: use fewer ppo.stream.steps")
@@ -261,11 +301,14 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             else:
                 news.append(prompt)
             fed[g] = prompt
-        if selectors is not None:
-            cache = BatchedCache(policy, n)
-        hidden = cache.feed(news, logits=False)                       # (n, H): every row fed its prompt
         starts = [len(ids) for ids in fed]
-        answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, rngs, temperature, starts)
+        if engine is not None:
+            answer, decisions, leaf = _walk_engine(engine, adapter, fed, shared, trie, rngs, temperature)
+        else:
+            if selectors is not None:
+                cache = BatchedCache(policy, n)
+            hidden = cache.feed(news, logits=False)                   # (n, H): every row fed its prompt
+            answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, rngs, temperature, starts)
         for g in range(n):
             label = labels[trie.label_of_leaf[leaf[g]]]
             reward = int(label == example.label)

@@ -15,6 +15,7 @@ its last checkpoint (every ppo.save_steps iterations) and ends with the same met
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from pathlib import Path
 
 from icrl_core.errors import UserError
@@ -103,11 +104,36 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
         progress = stack.enter_context(ProgressRuntime(runtime, cfg.max_steps, STAGE,
                                                        ("mean_reward", "kl", "val_accuracy")))
         replay = replay_chats(config, policy, runtime.rank, cfg.replay)
+        engine = None
+        if cfg.mode == "stream" and cfg.stream.engine == "inference":
+            engine = rollout_engine(config, stack.enter_context(tempfile.TemporaryDirectory(prefix="icrl-rollout-")))
+            stack.callback(engine.close)
         summary, history, evals = train_ppo(policy, train, val, cfg, config.seed, progress, max_tokens, scorer,
-                                            stream_sources, config.code, pool, replay)
+                                            stream_sources, config.code, pool, replay, engine)
     if runtime.rank == 0:
         write_outputs(Path(cfg.output_dir), policy, history, evals)
     return {**summary, "world_size": runtime.world_size}
+
+
+def rollout_engine(config: PipelineConfig, work_dir: str):
+    """The engine that decodes stream rollouts (`ppo.stream.engine: inference`, stream_rl.RolloutEngine): the torch
+    engine around the live policy, built per rollout with a prefix cache per stream of a group (each stream's
+    context only grows); or the `inference.backend` engine (vllm) started once on config.model's base model, the
+    policy's adapter saved into `work_dir` for each rollout."""
+    from icrl_core.inference.base import engine_from_config
+    from icrl_core.stream_rl import RolloutEngine
+
+    if config.inference.backend == "torch":
+        from icrl_core.inference.torch_backend import TorchEngine
+
+        eval_cfg = config.icrl_eval
+        return RolloutEngine(lambda policy: TorchEngine(
+            policy, cache_entries=config.ppo.stream.group_size + 1, reuse=eval_cfg.reuse_cache,
+            chunk_tokens=eval_cfg.chunk_tokens, batch_tokens=eval_cfg.batch_tokens, expand=eval_cfg.expand,
+            model_config=config.model))
+    base = config.model.model_copy(update={"init_adapter": None})  # the rollout's adapter comes per request
+    return RolloutEngine(lambda policy: engine_from_config(config.model_copy(update={"model": base})),
+                         adapter_dir=work_dir)
 
 
 def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> None:

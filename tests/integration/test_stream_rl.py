@@ -148,3 +148,30 @@ def test_stream_stage_needs_no_built_dataset_and_writes_its_outputs(in_tmp):
     assert [e["step"] for e in json.loads((out / "evals.json").read_text())] == [0, 2]
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert (out / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_the_stage_rolls_out_through_the_torch_engine_like_through_the_policy(in_tmp, monkeypatch):
+    """ppo.stream.engine=inference (inference.backend torch): the stage's rollouts and validation streams are
+    decoded by the inference engine (the same draws and rule), so the run matches the policy-decoded one: the same
+    rewards and answers, the losses equal up to float rounding; and a vllm-only setting is refused with async."""
+    from icrl_core.errors import ConfigError
+    from tasks.ppo import run
+
+    runs = {}
+    for engine in ("policy", "inference"):
+        folder = in_tmp / engine
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        run(load_config(None, [*TINY_STREAMS, f"ppo.stream.engine={engine}"], environ={}))
+        runs[engine] = (json.loads((folder / "artifacts/ppo/history.json").read_text()),
+                        json.loads((folder / "artifacts/ppo/evals.json").read_text()))
+    (history, evals), (served, served_evals) = runs["policy"], runs["inference"]
+    for a, b in zip(history + evals, served + served_evals):
+        assert {k: a[k] for k in ("step", "mean_reward", "switch_after_wrong", "val_reward") if k in a} == \
+            {k: b[k] for k in ("step", "mean_reward", "switch_after_wrong", "val_reward") if k in b}
+        for key in ("loss", "answer_prob", "val_accuracy"):
+            if a.get(key) is not None:  # (a NaN is stored as null)
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    with pytest.raises(ConfigError, match="use one or the other"):
+        load_config(None, [*TINY_STREAMS, "ppo.stream.engine=inference", "ppo.async_rollouts.enabled=true"],
+                    environ={})

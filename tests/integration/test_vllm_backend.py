@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,6 +242,38 @@ def test_a_project_adapter_is_served_like_its_peft_copy(engine, lora, task, tmp_
     # equal tensors (tests/unit/test_inference_backends.py); only float rounding of another batch slot differs
     assert max_difference(got[:1], got[1:]) < 1e-4
 
+
+
+def test_stream_rollouts_through_vllm_serve_each_policy_version(engine, lora, tmp_path):
+    """ppo.stream.engine=inference with the vllm backend (stream_rl.RolloutEngine): each rollout saves the
+    policy's adapter as a new version folder and vLLM decodes the streams with it; the answers are the policy's own
+    (the direct KV-cache rollout, same draws) wherever the two computations do not split on a near tie."""
+    from icrl_core.config import DataConfig, SyntheticSource
+    from icrl_core.dataset_build import resolve_sources
+    from icrl_core.stream_rl import RolloutEngine
+    from icrl_core.streams import generate_streams, sample_stream_task, stream_rng
+
+    _, policy = lora
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=3)
+    task = sample_stream_task(resolve_sources(data, seed=0), data, 4, seed=0, key="group-0")
+    rngs = lambda: [stream_rng(0, 1, 0, g) for g in range(2)]
+    direct = generate_streams(policy, task, rngs(), temperature=1.0)
+    rollouts = RolloutEngine(lambda _: engine, adapter_dir=tmp_path / "versions")  # the module's engine: not closed
+    with rollouts.serving(policy) as (served, first):
+        assert served is engine and Path(first, "adapter_model.safetensors").is_file()
+        via_vllm = generate_streams(policy, task, rngs(), temperature=1.0, engine=served, adapter=first)
+    with rollouts.serving(policy) as (_, second):
+        assert second != first and not Path(first).exists()  # a new version; the old one is gone
+    agree, compared = 0, 0
+    for a, b in zip(direct, via_vllm):
+        for x, y in zip(a.steps, b.steps):
+            if a.context_ids(x.record.step) != b.context_ids(y.record.step):
+                break  # the streams split on an earlier answer: later contexts differ
+            compared += 1
+            agree += x.answer_ids == y.answer_ids
+            if x.answer_ids == y.answer_ids:
+                assert abs(x.logp - y.logp) < TOLERANCE
+    assert compared >= 3 and agree >= compared - 1, (agree, compared)
 
 def test_concurrent_streams_share_batches_and_get_their_own_answers(engine, task):
     shared, queries, trie = task

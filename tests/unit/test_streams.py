@@ -294,3 +294,30 @@ def test_explorative_rows_run_in_length_buckets_with_the_numbers_of_one_pass(pol
     assert bucketed[2].keys() == single[2].keys() and bucketed[2]
     for name, grad in bucketed[2].items():
         assert torch.allclose(grad, single[2][name], atol=1e-5, rtol=1e-4), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollouts through an inference engine (ppo.stream.engine: inference)
+
+
+@pytest.mark.parametrize("context", [None, EXPLORATIVE], ids=["naive", "explorative"])
+def test_streams_through_the_torch_engine_equal_the_direct_rollout(policy, task, context):
+    """The engine path decodes with the same draws and rule: the same answers, sequences and decisions, the
+    decisions' log-probs equal up to float rounding."""
+    from icrl_core.inference.torch_backend import TorchEngine
+
+    rngs = lambda: [stream_rng(0, 3, 0, g) for g in range(3)]
+    direct = generate_streams(policy, task, rngs(), temperature=1.5, context=context)
+    engine = TorchEngine(policy)
+    try:
+        served = generate_streams(policy, task, rngs(), temperature=1.5, context=context, engine=engine)
+    finally:
+        engine.close()
+    assert engine.tokens_computed > 0  # the engine did the decoding
+    for a, b in zip(direct, served):
+        assert a.sequences == b.sequences and [s.record for s in a.steps] == [s.record for s in b.steps]
+        for x, y in zip(a.steps, b.steps):
+            assert (x.answer_start, x.answer_ids, x.sequence) == (y.answer_start, y.answer_ids, y.sequence)
+            assert [(d.position, d.candidates, d.chosen) for d in x.decisions] == \
+                [(d.position, d.candidates, d.chosen) for d in y.decisions]
+            assert np.allclose([d.logp for d in x.decisions], [d.logp for d in y.decisions], atol=1e-4)

@@ -275,6 +275,37 @@ def test_stream_rollouts_through_vllm_serve_each_policy_version(engine, lora, tm
                 assert abs(x.logp - y.logp) < TOLERANCE
     assert compared >= 3 and agree >= compared - 1, (agree, compared)
 
+
+def test_a_stream_training_iteration_rolls_out_on_vllm(engine, lora, tmp_path):
+    """The training loop with vLLM rollouts (train_ppo's rollout_engine, as the ppo stage builds it for
+    ppo.stream.engine=inference, inference.backend=vllm): an iteration rolls out and validates through vLLM with a
+    fresh adapter version each time and moves the policy's weights."""
+    from icrl_core.config import DataConfig, PPOConfig, SyntheticSource
+    from icrl_core.dataset_build import resolve_sources
+    from icrl_core.policy_optimization import train_ppo
+    from icrl_core.ppo import trainable_tensors
+    from icrl_core.stream_rl import RolloutEngine
+    from tests.conftest import MemoryRuntime
+
+    _, policy = lora
+    before = {k: v.clone() for k, v in trainable_tensors(policy).items()}
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3, labels_per_episode_min=3)
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, max_steps=1, save_steps=1, eval_steps=1, epochs=1,
+                    stream={"steps": 3, "group_size": 2, "groups": 1, "eval_groups": 1, "engine": "inference"},
+                    minibatch_size=2, learning_rate=1e-2)
+    rollouts = RolloutEngine(lambda _: engine, adapter_dir=tmp_path / "versions")  # the module's engine: not closed
+    try:
+        summary, history, evals = train_ppo(policy, [], [], cfg, 0, MemoryRuntime(), 2048, None,
+                                            (resolve_sources(data, 0), data), rollout_engine=rollouts)
+        assert rollouts.version == 3  # validation before, the iteration's rollout, validation after
+        assert [h["step"] for h in history] == [1] and 0 <= history[0]["mean_reward"] <= 1
+        assert [e["step"] for e in evals] == [0, 1] and "val_accuracy_after" in summary
+        assert any(not torch.equal(before[k], v) for k, v in trainable_tensors(policy).items())
+    finally:
+        from icrl_core.ppo import load_trainable_tensors
+
+        load_trainable_tensors(policy, before)  # the module's other tests use this policy
+
 def test_concurrent_streams_share_batches_and_get_their_own_answers(engine, task):
     shared, queries, trie = task
     alone = [engine.trie_logprobs([TrieRequest(q, trie, shared_length=shared)])[0] for q in queries]

@@ -178,3 +178,24 @@ def test_draw_offset_shifts_training_draws_not_validation():
 
     assert queries(shifted, 3, "train") == queries(plain, 23, "train") != queries(plain, 3, "train")
     assert queries(shifted, 0, "val") == queries(plain, 0, "val")
+
+
+def test_the_ppo_stage_builds_the_rollout_engine_the_config_names(tmp_path):
+    """tasks.ppo.rollout_engine: torch serves the live policy, built per rollout with a prefix cache per stream
+    of a group; another backend is started once on the base model (the rollout's adapter comes per request) and
+    gets a folder for the adapter versions."""
+    from icrl_core.inference.torch_backend import TorchEngine
+    from icrl_core.model import load_policy
+    from tasks.ppo import rollout_engine
+    from tasks.settings import load_config
+
+    config = load_config(None, ["model.spec=tiny", "ppo.mode=stream", "ppo.stream.engine=inference",
+                                "ppo.stream.group_size=3", "ppo.objective={kind: grpo}"], environ={})
+    torch_rollouts = rollout_engine(config, str(tmp_path))
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4))
+    with torch_rollouts.serving(policy) as (engine, adapter):
+        assert isinstance(engine, TorchEngine) and adapter is None and torch_rollouts.adapter_dir is None
+        assert engine.policies == {None: policy} and engine.cache_entries == 4
+    vllm_rollouts = rollout_engine(load_config(None, ["inference.backend=vllm", "model.init_adapter=somewhere"],
+                                               environ={}), str(tmp_path))
+    assert vllm_rollouts.adapter_dir == tmp_path and vllm_rollouts.engine is None  # started at the first rollout

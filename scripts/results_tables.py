@@ -238,6 +238,30 @@ def bench_inference_engine() -> str:
             f"{agg_note}\n")
 
 
+
+def bench_stream_rollouts() -> str:
+    """Who decodes stream rollouts: the policy's own cache, the torch engine, vLLM (bench/stream_rollouts.py)."""
+    if not (ROOT / "bench/results/stream_rollouts.json").exists():
+        return ("Not measured yet: run `.venv/bin/python bench/stream_rollouts.py` on an idle machine (writes "
+                "`bench/results/stream_rollouts.json`, then `python scripts/results_tables.py` fills this table).\n")
+    data = _json("bench/results/stream_rollouts.json")
+    names = {"policy": "policy (its own KV cache, the default)", "torch": "torch engine (exact)", "vllm": "vLLM"}
+    rows = []
+    for way, r in data["ways"].items():
+        if "skipped" in r:
+            rows.append([names[way], "-", "-", "-", "-", r["skipped"]])
+            continue
+        agree = "-" if r["answer_agreement_with_policy"] is None else \
+            f"{r['answer_agreement_with_policy']:.3f} ({r['steps_compared']} steps)"
+        rows.append([names[way], _fmt(r["seconds_per_group"], 2), _fmt(r["decisions_per_s"], 2),
+                     f"{r.get('speedup_vs_policy', 1.0):.2f}x", f"{r['startup_seconds']:.0f} s", agree])
+    return (_table(["ppo.stream.engine", "s / group", "decisions/s", "vs policy", "start-up", "answers as the policy's"],
+                   rows)
+            + f"\n{data['streams']} streams x {data['steps']} steps per group, {data['rounds']} timed groups after a "
+            f"warm-up, {data['task']}, SmolLM2-135M {data['dtype']}, {data['threads']} torch threads, one way after "
+            f"the other; load average {data['machine']['load_avg_before'][0]:.1f} before; "
+            f"{'quick run, ' if data['quick'] else ''}measured {data['finished'][:10]}.\n")
+
 # --------------------------------------------------------------------------------------------------------------
 # The demo (docs/results/demo.json: what `icrl demo` wrote to metrics/demo.json on a measured run)
 
@@ -643,6 +667,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
     "stream-rl-ablation": stream_rl_ablation,
+    "bench-stream-rollouts": bench_stream_rollouts,
     "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-gate2": stream_rl_gate2,
     "stream-rl-synthetic": stream_rl_synthetic,

@@ -11,6 +11,10 @@
 #   s15-forgetting  setting 15's gate 3 with the greedy check (addenda 14, 19): runs/s15/forgetting.json
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
+#   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
+#                 into artifacts/cd_plain and artifacts/cd_distill, then their gate-1 probe and forgetting measures
+#   cd-eval-SEED-ARM  one naive evaluation part of addendum 27 (SEED 100, 101, 102; ARM plain or distill) into
+#                 artifacts/cd_eval/seedSEED-ARM (the evaluate stage's outputs)
 #   park          after stopping a run that cannot finish inside the session (addendum 23): copy to checkpoints/
 #                 beside this script, to be committed, each stage's latest checkpoint
 #                 (.icrl/checkpoints/<stage>-<config fingerprint>/step-N), the outputs of a training target that has
@@ -55,7 +59,8 @@ PARKED=$E/checkpoints
 # Each training target's output folder (its output_dir) and the file its last step writes.
 declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs/s15/probe.json
                   [ablation_ppo]=runs/ablation-ppo/probe.json [ablation_grpo]=runs/ablation-grpo/probe.json
-                  [ablation_rloo]=runs/ablation-rloo/probe.json [ablation_dpo_rank]=runs/ablation-dpo_rank/probe.json)
+                  [ablation_rloo]=runs/ablation-rloo/probe.json [ablation_dpo_rank]=runs/ablation-dpo_rank/probe.json
+                  [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -133,7 +138,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by
 }
 
 for target in "$@"; do
-    case "$target" in s14|s15|s15-*|ablation-*) unpark ;; esac
+    case "$target" in s14|s15|s15-*|ablation-*|cd-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -175,11 +180,27 @@ for target in "$@"; do
             probe artifacts/ablation_dpo_rank/adapter "runs/$target/probe.json" ;;
         probe-bootstrap)
             probe artifacts/bootstrap/adapter runs/bootstrap/probe.json ;;
+        cd-plain|cd-distill)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            arm=${target#cd-}
+            extra=()
+            [[ $arm == distill ]] && extra=(-c $E/stream_rl_distill.yaml)
+            trained "cd_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml "${extra[@]}" \
+                --set "ppo.output_dir=artifacts/cd_$arm"
+            probe "artifacts/cd_$arm/adapter" "runs/$target/probe.json"
+            forgetting "artifacts/cd_$arm/adapter" "runs/$target/forgetting.json" ;;
+        cd-eval-*)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            part=${target#cd-eval-}
+            seed=${part%%-*} arm=${part#*-}
+            step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
+                --set "evaluate.adapter=artifacts/cd_$arm/adapter" --set "evaluate.strategies=[naive]" \
+                --set "evaluate.output_dir=artifacts/cd_eval/seed$seed-$arm" ;;
         park)
             park ;;
         *)
             echo "run.sh: unknown target '$target' (bootstrap, s14, s15, s15-gate2-SEED-STRATEGY, s15-forgetting," \
-                 "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, park)" >&2
+                 "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, park)" >&2
             exit 2 ;;
     esac
 done

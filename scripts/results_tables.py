@@ -465,6 +465,42 @@ def stream_rl_ablation() -> str:
             "update seconds summed from the history (resumes excluded), on the 2 cores.\n")
 
 
+def stream_rl_distillation() -> str:
+    """Issue 29's context-distillation measurement (experiments/icrl_stream_rl, addendum 27): naive test curves of
+    the plain and the distilled student per seed, the bootstrap and the base model beside them, the decision."""
+    measured = _json("experiments/icrl_stream_rl/results.json").get("context_distillation")
+    if not measured or not measured.get("seeds"):
+        return "Not run yet (pre-registered in addendum 27).\n"
+
+    def curve(run: dict | None) -> str:
+        if run is None:
+            return "-"
+        return " / ".join(f"{run['test_accuracy'][k]:.3f}" for k in sorted(run["test_accuracy"], key=int))
+
+    rows = []
+    for seed, arms in measured["seeds"].items():
+        any_arm = next(iter(arms.values()))["runs"]
+        rows.append([seed, curve(arms.get("plain", {}).get("runs", {}).get("trained-naive")),
+                     curve(arms.get("distill", {}).get("runs", {}).get("trained-naive")),
+                     curve(any_arm.get("start-naive")), curve(any_arm.get("base-naive")),
+                     _signed(measured["decision"]["differences"][seed])
+                     if seed in measured["decision"]["differences"] else "-"])
+    d = measured["decision"]
+    students = []
+    for arm, student in measured.get("students", {}).items():
+        parts = []
+        if "probe" in student:
+            pt = student["probe"]["p_target"]
+            parts.append(f"feedback probe {pt['n1_wrong']:.3f} wrong / {pt['n1_right']:.3f} right")
+        if "forgetting" in student:
+            parts.append(f"forgetting probe {student['forgetting']['probe_1509_items']['change'] * 100:+.1f} points")
+        students.append(f"{arm}: " + ", ".join(parts))
+    return (_table(["seed", "plain student (naive, steps 0/249/499/749/999)", "distilled student",
+                    "bootstrap", "base model", "distilled - plain at 999"], rows)
+            + f"\nDecision (addendum 27: positive on all three seeds and mean >= 0.05): mean "
+            f"{'-' if d['mean'] is None else _signed(d['mean'])}, **{d['verdict']}**."
+            + (" Students: " + "; ".join(students) + "." if students else "") + "\n")
+
 def stream_rl_gate2() -> str:
     """Gate 2 of experiments/icrl_stream_rl: held-out trec_coarse test accuracy of the RL adapter, the bootstrap it
     started from and the base model, per seed (collect_gate2.py), and the pre-registered decision."""
@@ -667,6 +703,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "code-rl": code_rl,
     "stream-rl-gate": stream_rl_gate,
     "stream-rl-ablation": stream_rl_ablation,
+    "stream-rl-distillation": stream_rl_distillation,
     "bench-stream-rollouts": bench_stream_rollouts,
     "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-gate2": stream_rl_gate2,

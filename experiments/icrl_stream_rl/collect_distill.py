@@ -1,0 +1,69 @@
+"""Collect issue 29's context-distillation measurement (PREREGISTERED.md, addendum 27) into results.json
+(`context_distillation`): per seed, the naive runs of the plain and the distilled student (and of the bootstrap and
+the base model that came with them), each student's gate-1 probe and forgetting measures, and the decision.
+
+    .venv/bin/python experiments/icrl_stream_rl/collect_distill.py \
+        --part 100:plain=artifacts/cd_eval/seed100-plain --part 100:distill=artifacts/cd_eval/seed100-distill \
+        --probe plain=runs/cd-plain/probe.json --forgetting plain=runs/cd-plain/forgetting.json
+
+Rule (addendum 27, fixed before the runs): distilled minus plain naive test accuracy at step 999 is positive on all
+three seeds AND its mean is at least 0.05 ("moved"). With fewer than three seeds: `pending`, unless a seed already
+has a difference <= 0 (`not moved`). Parts and arms already in results.json and not given again are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from collect import forgetting_row, probe_row
+from collect_gate2 import MIN_MEAN, SEEDS, final, seed_row
+
+HERE = Path(__file__).resolve().parent
+ARMS = ("plain", "distill")
+
+
+def decision(seeds: dict) -> dict:
+    """Per seed: distilled minus plain at the last test step of the students' naive runs; their mean; the rule."""
+    diffs = {seed: round(final(arms["distill"]["runs"]["trained-naive"]) - final(arms["plain"]["runs"]["trained-naive"]), 4)
+             for seed, arms in seeds.items()
+             if all(arm in arms and "trained-naive" in arms[arm]["runs"] for arm in ARMS)}
+    mean = round(sum(diffs.values()) / len(diffs), 4) if diffs else None
+    if any(d <= 0 for d in diffs.values()):
+        verdict = "not moved"
+    elif len(diffs) < len(SEEDS):
+        verdict = "pending"
+    else:
+        verdict = "moved" if mean >= MIN_MEAN else "not moved"
+    return {"differences": diffs, "mean": mean, "verdict": verdict}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", action="append", default=[], help="SEED:ARM=EVALUATE_OUTPUT_DIR (ARM plain|distill)")
+    parser.add_argument("--probe", action="append", default=[], help="ARM=PROBE_JSON (the student's gate-1 probe)")
+    parser.add_argument("--forgetting", action="append", default=[], help="ARM=ABILITY_JSON (forgetting.py)")
+    args = parser.parse_args()
+    out = HERE / "results.json"
+    results = json.loads(out.read_text())
+    measured = results.setdefault("context_distillation", {"seeds": {}, "students": {}})
+    for item in args.part:
+        key, folder = item.split("=", 1)
+        seed, arm = key.split(":", 1)
+        if arm not in ARMS:
+            raise SystemExit(f"--part {item}: the arm must be one of {ARMS}")
+        measured["seeds"].setdefault(seed, {})[arm] = seed_row(Path(folder))
+    for option, reader, key in ((args.probe, probe_row, "probe"), (args.forgetting, forgetting_row, "forgetting")):
+        for item in option:
+            arm, path = item.split("=", 1)
+            measured["students"].setdefault(arm, {})[key] = reader(Path(path))
+    measured["seeds"] = dict(sorted(measured["seeds"].items()))
+    measured["decision"] = decision(measured["seeds"])
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    d = measured["decision"]
+    print(f"context distillation: distilled - plain {d['differences']} mean {d['mean']} -> {d['verdict']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from collect import forgetting_row, probe_row
-from collect_gate2 import MIN_MEAN, SEEDS, final, seed_row
+from collect_gate2 import final, rule, seed_row
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("plain", "distill")
@@ -29,14 +29,9 @@ def decision(seeds: dict) -> dict:
     diffs = {seed: round(final(arms["distill"]["runs"]["trained-naive"]) - final(arms["plain"]["runs"]["trained-naive"]), 4)
              for seed, arms in seeds.items()
              if all(arm in arms and "trained-naive" in arms[arm]["runs"] for arm in ARMS)}
-    mean = round(sum(diffs.values()) / len(diffs), 4) if diffs else None
-    if any(d <= 0 for d in diffs.values()):
-        verdict = "not moved"
-    elif len(diffs) < len(SEEDS):
-        verdict = "pending"
-    else:
-        verdict = "moved" if mean >= MIN_MEAN else "not moved"
-    return {"differences": diffs, "mean": mean, "verdict": verdict}
+    mean, verdict = rule(diffs)  # gate 2's rule
+    return {"differences": diffs, "mean": mean,
+            "verdict": {"passed": "moved", "failed": "not moved", "pending": "pending"}[verdict]}
 
 
 def main() -> None:

@@ -76,6 +76,16 @@ def final(run: dict) -> float:
     return run["test_accuracy"][max(run["test_accuracy"], key=int)]
 
 
+def rule(diffs: dict) -> tuple[float | None, str]:
+    """The pre-registered rule on per-seed differences: (their mean, "passed" | "failed" | "pending")."""
+    mean = round(sum(diffs.values()) / len(diffs), 4) if diffs else None
+    if any(d <= 0 for d in diffs.values()):
+        return mean, "failed"
+    if len(diffs) < len(SEEDS):
+        return mean, "pending"
+    return mean, "passed" if mean >= MIN_MEAN else "failed"
+
+
 def decision(seeds: dict) -> dict:
     """Per strategy: the per-seed differences RL - bootstrap at the last test step, their mean, and the rule."""
     out = {}
@@ -83,13 +93,7 @@ def decision(seeds: dict) -> dict:
         diffs = {seed: round(final(row["runs"][f"trained-{strategy}"]) - final(row["runs"][f"start-{strategy}"]), 4)
                  for seed, row in seeds.items()
                  if f"trained-{strategy}" in row["runs"] and f"start-{strategy}" in row["runs"]}
-        mean = round(sum(diffs.values()) / len(diffs), 4) if diffs else None
-        if any(d <= 0 for d in diffs.values()):
-            verdict = "failed"
-        elif len(diffs) < len(SEEDS):
-            verdict = "pending"
-        else:
-            verdict = "passed" if mean >= MIN_MEAN else "failed"
+        mean, verdict = rule(diffs)
         out[strategy] = {"differences": diffs, "mean": mean, "verdict": verdict}
     verdicts = [v["verdict"] for v in out.values()]
     out["gate2"] = "passed" if "passed" in verdicts else "pending" if "pending" in verdicts else "failed"

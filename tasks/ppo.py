@@ -116,24 +116,21 @@ def train_worker(config: PipelineConfig, runtime) -> dict:
 
 
 def rollout_engine(config: PipelineConfig, work_dir: str):
-    """The engine that decodes stream rollouts (`ppo.stream.engine: inference`, stream_rl.RolloutEngine): the torch
-    engine around the live policy, built per rollout with a prefix cache per stream of a group (each stream's
-    context only grows); or the `inference.backend` engine (vllm) started once on config.model's base model, the
-    policy's adapter saved into `work_dir` for each rollout."""
+    """The engine that decodes stream rollouts (`ppo.stream.engine: inference`, stream_rl.RolloutEngine), built by
+    `inference.backend`'s own `from_config` on the base model (the rollout's adapter is the live policy, or comes
+    per request) with a prefix cache per stream of a group (each stream's context only grows) and no fused
+    passes (one caller): the torch engine around the live policy, built per rollout; another backend (vllm)
+    started once, the policy's adapter saved into `work_dir` for each rollout."""
     from icrl_core.inference.base import engine_from_config
     from icrl_core.stream_rl import RolloutEngine
 
+    rollout = config.model_copy(update={
+        "model": config.model.model_copy(update={"init_adapter": None}),
+        "icrl_eval": config.icrl_eval.model_copy(update={"cache_entries": config.ppo.stream.group_size + 1}),
+        "inference": config.inference.model_copy(update={"fuse_streams": False})})
     if config.inference.backend == "torch":
-        from icrl_core.inference.torch_backend import TorchEngine
-
-        eval_cfg = config.icrl_eval
-        return RolloutEngine(lambda policy: TorchEngine(
-            policy, cache_entries=config.ppo.stream.group_size + 1, reuse=eval_cfg.reuse_cache,
-            chunk_tokens=eval_cfg.chunk_tokens, batch_tokens=eval_cfg.batch_tokens, expand=eval_cfg.expand,
-            model_config=config.model))
-    base = config.model.model_copy(update={"init_adapter": None})  # the rollout's adapter comes per request
-    return RolloutEngine(lambda policy: engine_from_config(config.model_copy(update={"model": base})),
-                         adapter_dir=work_dir)
+        return RolloutEngine(lambda policy: engine_from_config(rollout, policy))
+    return RolloutEngine(lambda policy: engine_from_config(rollout), adapter_dir=work_dir)
 
 
 def write_outputs(out: Path, policy, history: list[dict], evals: list[dict]) -> None:

@@ -13,8 +13,9 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
      naive with block eviction), with their per-step prediction agreement with the exact fp32 run.
 2. aggregate (all cores): the same evaluation runs (explorative, several seeds) through the evaluate stage's code
    (`tasks.evaluate.run_evaluations`): today's pool (one single-threaded process per core) vs one engine serving
-   them as streams (threads), exact and with fused passes (`inference.fuse_streams`); steps summed over the runs
-   per wall second, and the fused runs' prediction agreement with the pool's.
+   them as streams (threads), exact and with fused passes (`inference.fuse_streams`), and with `--aggregate-vllm`
+   as streams of one vLLM engine (`inference.backend=vllm`, the vllm extra); steps summed over the runs per wall
+   second, and each mode's prediction agreement with the pool's.
 
 3. vllm (`--parts vllm`, run with a python that has the vllm extra: `make setup-vllm`): the same harness run
    (explorative, same seed/cap/steps) on the vllm engine and on the torch engine in this process, one after the
@@ -225,6 +226,8 @@ def aggregate(args) -> dict:
     modes = [("pool", {"inference.streams": 1}, 2),
              ("streams", {"inference.streams": args.streams, "inference.fuse_streams": False}, 1),
              ("fused", {"inference.streams": args.streams, "inference.fuse_streams": True}, 1)]
+    if args.aggregate_vllm:  # the streams' requests batched by one vLLM engine (the vllm extra)
+        modes.append(("vllm", {"inference.backend": "vllm", "inference.streams": args.streams}, 1))
     out: dict = {"runs": args.streams, "steps_per_run": args.aggregate_steps, "strategy": "explorative",
                  "seeds": list(range(100, 100 + args.streams))}
     predictions = {}
@@ -250,12 +253,14 @@ def aggregate(args) -> dict:
                          "load_avg": {"before": load_before, "after": os.getloadavg()},
                          "settings": {**overrides, "evaluate.workers": workers}}
             print(f"  {json.dumps(out[name])}", flush=True)
-    for name in ("streams", "fused"):
+    for name in [m[0] for m in modes[1:]]:
         out[name]["speedup_vs_pool"] = round(out[name]["aggregate_steps_per_s"] / out["pool"]["aggregate_steps_per_s"], 2)
         out[name]["step_prediction_agreement_with_pool"] = agreement(list(chain.from_iterable(predictions[name])),
                                                                      list(chain.from_iterable(predictions["pool"])))
     out["streams"]["mode"] = "exact (threads, per-stream caches, one copy of the weights)"
     out["fused"]["mode"] = "fused ragged passes (float rounding may differ from exact)"
+    if "vllm" in out:
+        out["vllm"]["mode"] = "one vLLM engine, the streams' requests batched (prefix caching; not bit-identical)"
     return out
 
 
@@ -354,6 +359,8 @@ def main() -> None:
                         "the whole prompt; its test predictions are not compared)")
     parser.add_argument("--aggregate-steps", type=int, default=100)
     parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--aggregate-vllm", action="store_true", help="aggregate part: also the runs as streams of "
+                        "one vLLM engine (needs the vllm extra)")
     parser.add_argument("--vllm-steps", type=int, default=100, help="harness steps per engine (--parts vllm)")
     parser.add_argument("--threads", type=int, default=2, help="torch/vLLM threads (--parts vllm)")
     parser.add_argument("--parts", nargs="+", default=["single", "aggregate"], choices=["single", "aggregate", "vllm"],

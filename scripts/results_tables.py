@@ -216,9 +216,9 @@ def bench_inference_engine() -> str:
                     f"{'quick runs, ' if agg_data['quick'] else ''}measured {agg_data['finished'][:10]} "
                     f"(`--parts aggregate`), load average {agg['pool']['load_avg']['before'][0]:.1f} before it.")
     if agg:
-        for name in ("streams", "fused"):
+        for name in [n for n in ("streams", "fused", "vllm") if n in agg]:
             r = agg[name]
-            rows.append([f"aggregate, {agg['runs']} explorative runs", "torch", r["mode"],
+            rows.append([f"aggregate, {agg['runs']} explorative runs", "vllm" if name == "vllm" else "torch", r["mode"],
                          _fmt(r["aggregate_steps_per_s"], 3), f"{r['speedup_vs_pool']:.2f}x (vs the pool)",
                          f"{r['step_prediction_agreement_with_pool']:.3f} (with the pool)", ">= 3x"])
     steps = ""

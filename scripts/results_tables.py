@@ -214,7 +214,9 @@ def bench_inference_engine() -> str:
         agg = agg_data["aggregate"]
         agg_note = (f" Aggregate rows: {agg['steps_per_run']} steps per run, seeds {agg['seeds'][0]}-{agg['seeds'][-1]}, "
                     f"{'quick runs, ' if agg_data['quick'] else ''}measured {agg_data['finished'][:10]} "
-                    f"(`--parts aggregate`), load average {agg['pool']['load_avg']['before'][0]:.1f} before it.")
+                    f"(`--parts aggregate{' --aggregate-vllm' if 'vllm' in agg else ''}`; each mode's wall time from "
+                    f"its start to its last run's end, model loads and engine start-up included), load average "
+                    f"{agg['pool']['load_avg']['before'][0]:.1f} before it.")
     if agg:
         for name in [n for n in ("streams", "fused", "vllm") if n in agg]:
             r = agg[name]

@@ -15,7 +15,8 @@ Issue 30's acceptance, measured side by side on this machine (trec_coarse, SmolL
    (`tasks.evaluate.run_evaluations`): today's pool (one single-threaded process per core) vs one engine serving
    them as streams (threads), exact and with fused passes (`inference.fuse_streams`), and with `--aggregate-vllm`
    as streams of one vLLM engine (`inference.backend=vllm`, the vllm extra); steps summed over the runs per wall
-   second, and each mode's prediction agreement with the pool's.
+   second (wall clock, start-up included; and steady: each run's rate from its own step seconds, times the runs
+   going at once), and each mode's prediction agreement with the pool's.
 
 3. vllm (`--parts vllm`, run with a python that has the vllm extra: `make setup-vllm`): the same harness run
    (explorative, same seed/cap/steps) on the vllm engine and on the torch engine in this process, one after the
@@ -219,6 +220,18 @@ def _strip(run: dict) -> dict:
 # Aggregate throughput through the evaluate stage's scheduling
 
 
+def steady_rate(run_dirs: list[Path], at_once: int) -> float:
+    """Steps per second summed over `at_once` concurrent runs, each run's rate from its own step and test seconds
+    (steps.jsonl, tests.jsonl): the rate once the runs are going, model loads and engine start-up excluded (a long
+    run's rate; the wall-clock rate of a short bench counts them)."""
+    rates = []
+    for run_dir in run_dirs:
+        seconds = sum(json.loads(line)["seconds"] for name in ("steps.jsonl", "tests.jsonl")
+                      for line in (run_dir / name).read_text().splitlines())
+        rates.append(len((run_dir / "steps.jsonl").read_text().splitlines()) / seconds)
+    return sum(rates) / len(rates) * at_once
+
+
 def aggregate(args) -> dict:
     from tasks.evaluate import run_evaluations
     from tasks.settings import load_config
@@ -248,13 +261,17 @@ def aggregate(args) -> dict:
             steps = sum(r["steps"] for r in results)
             predictions[name] = [[json.loads(line)["prediction"] for line in
                                   (Path(r["run_dir"]) / "steps.jsonl").read_text().splitlines()] for r in results]
+            at_once = min(len(configs), workers if name == "pool" else args.streams)
             out[name] = {"wall_seconds": round(wall, 1), "steps": steps,
                          "aggregate_steps_per_s": round(steps / wall, 4),
+                         "steady_steps_per_s": round(steady_rate([Path(r["run_dir"]) for r in results], at_once), 4),
                          "load_avg": {"before": load_before, "after": os.getloadavg()},
                          "settings": {**overrides, "evaluate.workers": workers}}
             print(f"  {json.dumps(out[name])}", flush=True)
     for name in [m[0] for m in modes[1:]]:
         out[name]["speedup_vs_pool"] = round(out[name]["aggregate_steps_per_s"] / out["pool"]["aggregate_steps_per_s"], 2)
+        out[name]["steady_speedup_vs_pool"] = round(out[name]["steady_steps_per_s"] / out["pool"]["steady_steps_per_s"],
+                                                    2)
         out[name]["step_prediction_agreement_with_pool"] = agreement(list(chain.from_iterable(predictions[name])),
                                                                      list(chain.from_iterable(predictions["pool"])))
     out["streams"]["mode"] = "exact (threads, per-stream caches, one copy of the weights)"

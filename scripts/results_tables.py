@@ -221,7 +221,9 @@ def bench_inference_engine() -> str:
         for name in [n for n in ("streams", "fused", "vllm") if n in agg]:
             r = agg[name]
             rows.append([f"aggregate, {agg['runs']} explorative runs", "vllm" if name == "vllm" else "torch", r["mode"],
-                         _fmt(r["aggregate_steps_per_s"], 3), f"{r['speedup_vs_pool']:.2f}x (vs the pool)",
+                         _fmt(r["aggregate_steps_per_s"], 3), f"{r['speedup_vs_pool']:.2f}x (vs the pool"
+                         + (f"; steady {r['steady_speedup_vs_pool']:.2f}x" if "steady_speedup_vs_pool" in r else "")
+                         + ")",
                          f"{r['step_prediction_agreement_with_pool']:.3f} (with the pool)", ">= 3x"])
     steps = ""
     if single:

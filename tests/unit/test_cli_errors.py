@@ -18,7 +18,8 @@ import pytest
 import typer.main
 from typer.core import TyperGroup
 
-from tasks.cli import app, main
+from tasks.cli import app
+from tests.conftest import call_cli
 
 # Path parameters a command reads itself (config layers, the metrics file of `promote`): no parse-time check, the
 # command's reader (icrl_core.io.read_user_text) names the problem.
@@ -105,10 +106,9 @@ def valid_value(param, tmp: Path, command: str = "") -> str:
     return "x"
 
 
-def call(argv: list[str], capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    return info.value.code, capsys.readouterr().err
+def call(argv: list[str]) -> tuple[int, str]:
+    done = call_cli(*argv, cwd=Path.cwd())
+    return done.returncode, done.stderr
 
 
 def walk_cases(tmp: Path):
@@ -126,14 +126,14 @@ def walk_cases(tmp: Path):
                 yield param, str(value), argv
 
 
-def test_every_command_exits_2_with_one_message_on_every_bad_value(tmp_path, monkeypatch, capsys):
+def test_every_command_exits_2_with_one_message_on_every_bad_value(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no params.yaml here: the built-in defaults
     (tmp_path / "a-directory").mkdir()
     (tmp_path / "not-utf8.txt").write_bytes(NOT_UTF8)
     (tmp_path / "valid.txt").write_text("x\n")
     walked = set()
     for param, value, argv in walk_cases(tmp_path):
-        code, err = call(argv, capsys)
+        code, err = call(argv)
         assert code == 2, (argv, code, err)
         assert "Traceback" not in err and err.strip(), (argv, err)
         names = [*param.opts, param.name, value, value.split("=")[0].split(".")[0]]
@@ -143,12 +143,12 @@ def test_every_command_exits_2_with_one_message_on_every_bad_value(tmp_path, mon
 
 
 @pytest.mark.parametrize("path", [path for path, _ in commands()], ids=lambda p: " ".join(p) or "icrl")
-def test_an_unknown_option_exits_2(path, capsys):
-    code, err = call([*path, "--no-such-option", "x"], capsys)
+def test_an_unknown_option_exits_2(path):
+    code, err = call([*path, "--no-such-option", "x"])
     assert code == 2 and "No such option: --no-such-option" in err and "Traceback" not in err, err
 
 
-def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):
+def test_free_text_values_a_command_checks(tmp_path, monkeypatch):
     """Values any text parses as (task, model, strategy target, a folder that exists but is the wrong kind): the
     command names the problem, exit 2; a failed `icrl eval` leaves no run folder behind that would need --resume."""
     monkeypatch.chdir(tmp_path)
@@ -170,7 +170,7 @@ def test_free_text_values_a_command_checks(tmp_path, monkeypatch, capsys):
         ("pipeline", "--stage", "bogus"): "unknown stage 'bogus'",
     }
     for argv, message in cases.items():
-        code, err = call(list(argv), capsys)
+        code, err = call(list(argv))
         assert code == 2 and message in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "artifacts" / "icrl_eval").exists() or not any((tmp_path / "artifacts" / "icrl_eval"
                                                                              ).iterdir())

@@ -17,7 +17,7 @@ from icrl_core.episodes import render_episode
 from icrl_core.errors import UserError
 from icrl_core.prompting import TEMPLATES, template_for
 from icrl_core.task_data import load_task, register_task_templates
-from tasks.cli import main
+from tests.conftest import call_cli
 
 WORDS = {"warm": ["sun", "fire", "summer", "oven"], "cold": ["snow", "ice", "winter", "frost"],
          "wet": ["rain", "river", "sea", "puddle"]}
@@ -54,11 +54,9 @@ def _templates():
     TEMPLATES.update(before)
 
 
-def call(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out = capsys.readouterr()
-    return info.value.code, out.out, out.err
+def call(argv: list[str]) -> tuple[int, str, str]:
+    done = call_cli(*argv, cwd=Path.cwd())
+    return done.returncode, done.stdout, done.stderr
 
 
 def test_a_folder_is_a_task_by_path_and_by_name(tmp_path, monkeypatch):
@@ -106,7 +104,7 @@ def test_bad_task_folders_are_one_clear_error(tmp_path):
         load_task("nosuch", tmp_path)
 
 
-def test_icrl_eval_and_icrl_tasks_on_a_task_folder(tmp_path, monkeypatch, capsys, tiny):
+def test_icrl_eval_and_icrl_tasks_on_a_task_folder(tmp_path, monkeypatch, tiny):
     """End to end on the tiny model, in-process: a folder the project has never seen, the paper's strategy name,
     p_keep below 1 for naive, and a trained adapter given with --adapter."""
     monkeypatch.chdir(tmp_path)
@@ -120,7 +118,7 @@ def test_icrl_eval_and_icrl_tasks_on_a_task_folder(tmp_path, monkeypatch, capsys
     code, out, err = call(["eval", "--task", str(folder), "--model", "tiny", "--dtype", "float32", "--adapter",
                            str(adapter), "--strategy", "random_biased_end", "--p-keep", "0.5", "--train-k", "6",
                            "--test-every", "3", "--test-k", "4", "--debug-k", "1", "--threads", "1",
-                           "--output-dir", str(tmp_path / "runs"), "--no-tracking", "--no-progress"], capsys)
+                           "--output-dir", str(tmp_path / "runs"), "--no-tracking", "--no-progress"])
     assert code in (0, None), err
     run = tmp_path / "runs" / "feelings-naive-seed100"
     config = json.loads((run / "config.json").read_text())
@@ -130,15 +128,15 @@ def test_icrl_eval_and_icrl_tasks_on_a_task_folder(tmp_path, monkeypatch, capsys
     steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
     assert len(steps) == 6 and {s["gold"] for s in steps} <= {"warm", "cold", "wet"}
 
-    code, out, err = call(["tasks", str(folder), "--set", f"data.tasks_dir={folder.parent}"], capsys)
+    code, out, err = call(["tasks", str(folder), "--set", f"data.tasks_dir={folder.parent}"])
     assert code in (0, None) and "feelings" in out and "Note:" in out, err
-    code, out, err = call(["tasks", "--set", f"data.tasks_dir={folder.parent}"], capsys)
+    code, out, err = call(["tasks", "--set", f"data.tasks_dir={folder.parent}"])
     assert code in (0, None) and "feelings" in out and "banking77" in out, err
 
     for bad, message in ((tmp_path / "nothing", "does not exist"), (tmp_path / "adapter", "label list not found")):
-        code, _, err = call(["eval", "--task", str(bad), "--model", "tiny", "--no-tracking"], capsys)
+        code, _, err = call(["eval", "--task", str(bad), "--model", "tiny", "--no-tracking"])
         assert code == 2 and message in err and "Traceback" not in err, err
-    code, _, err = call(["tasks", str(tmp_path / "nothing")], capsys)
+    code, _, err = call(["tasks", str(tmp_path / "nothing")])
     assert code == 2 and "does not exist" in err
 
 
@@ -154,7 +152,7 @@ def test_a_task_folder_as_a_dataset_source(tmp_path, tokens):
     assert "Note: I thought about the" in text and "Feel:" in text and "Group the word." in text
 
 
-def test_the_stages_build_and_tokenize_a_task_folder_from_an_experiment_file(tmp_path, monkeypatch, capsys):
+def test_the_stages_build_and_tokenize_a_task_folder_from_an_experiment_file(tmp_path, monkeypatch):
     """An experiment file names the folder as a data source; tokenize, in a fresh process (the registry emptied
     here), renders its episodes with the folder's prompt.yaml and the config's task_prompts."""
     import glob
@@ -167,10 +165,10 @@ def test_the_stages_build_and_tokenize_a_task_folder_from_an_experiment_file(tmp
         "data.sources: [{kind: task, name: ./feelings}]\ndata.num_episodes: 8\n"
         "data.task_prompts: {./feelings: {task_description: Group the word.}}\n"
         "model.spec: tiny\nmodel.dtype: float32\ntracking.enabled: false\n")
-    code, _, err = call(["stage", "build_dataset", "-c", "exp.yaml"], capsys)
+    code, _, err = call(["stage", "build_dataset", "-c", "exp.yaml"])
     assert code in (0, None), err
     TEMPLATES.pop("feelings")
-    code, _, err = call(["stage", "tokenize", "-c", "exp.yaml"], capsys)
+    code, _, err = call(["stage", "tokenize", "-c", "exp.yaml"])
     assert code in (0, None), err
     rows = read_tokenized(glob.glob("artifacts/tokenized/*.parquet")[0])
     text = load_tokenizer("tiny").decode(rows[0].input_ids)

@@ -266,6 +266,28 @@ def bench_stream_rollouts() -> str:
             f"the other; load average {data['machine']['load_avg_before'][0]:.1f} before; "
             f"{'quick run, ' if data['quick'] else ''}measured {data['finished'][:10]}.\n")
 
+def bench_stream_update() -> str:
+    """The explorative-view update pass, activations stored vs recomputed (bench/stream_update.py)."""
+    if not (ROOT / "bench/results/stream_update.json").exists():
+        return ("Not measured yet: run `.venv/bin/python bench/stream_update.py` on an idle machine (writes "
+                "`bench/results/stream_update.json`, then `python scripts/results_tables.py` fills this table).\n")
+    data = _json("bench/results/stream_update.json")
+    names = {"stored": "activations stored (default)", "recompute": "model.gradient_checkpointing: true"}
+    rows = [[names[r["variant"]], str(r["rows"]), f"{r['real_tokens']} ({r['padded_tokens']} padded)",
+             _fmt(r["forward_seconds"], 1), _fmt(r["backward_seconds"], 1), f"{r['saved_for_backward_mb']:.0f}",
+             f"{r['peak_rss_mb']:.0f}"] for r in data["results"]]
+    ratio, agree, first = data["ratio"], data["agreement"], data["results"][0]
+    return (_table(["update pass", "rows", "tokens", "forward s", "backward s", "kept for backward MB",
+                    "peak RSS MB"], rows)
+            + f"\n{first['streams']} explorative streams x {first['steps']} steps of banking77 (2-6 labels, p_keep "
+            f"0.5), {first['model']} fp32, LoRA r=16, {first['threads']} torch threads, each side in its own "
+            f"process; recompute / stored: {ratio['saved_for_backward_recompute_over_stored']:.2f}x kept for "
+            f"backward, {ratio['peak_rss_recompute_over_stored']:.2f}x peak RSS, "
+            f"{ratio['seconds_recompute_over_stored']:.2f}x seconds; the sides' log-probs differ by at most "
+            f"{agree['max_abs_logp_difference']:.1e}, their LoRA gradients by "
+            f"{agree['max_relative_gradient_difference']:.1e} (relative); measured {data['measured']}.\n")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The demo (docs/results/demo.json: what `icrl demo` wrote to metrics/demo.json on a measured run)
 
@@ -709,6 +731,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "stream-rl-ablation": stream_rl_ablation,
     "stream-rl-distillation": stream_rl_distillation,
     "bench-stream-rollouts": bench_stream_rollouts,
+    "bench-stream-update": bench_stream_update,
     "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-gate2": stream_rl_gate2,
     "stream-rl-synthetic": stream_rl_synthetic,

@@ -22,9 +22,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results.json"
+sys.path.insert(0, str(HERE.parents[1]))  # the project's root: icrl_core.io (standard library only)
+
+from icrl_core.io import atomic_write_text
+
+
+def read_results() -> dict:
+    """results.json beside this file (the collectors' shared record)."""
+    return json.loads(RESULTS.read_text())
+
+
+def write_results(results: dict) -> None:
+    """results.json, written atomically (a collector stopped mid-write leaves the old file)."""
+    atomic_write_text(RESULTS, json.dumps(results, indent=2) + "\n")
+
+
 GATE_MARGIN = 0.2
 CONTEXTS = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
 
@@ -162,8 +179,7 @@ def main() -> None:
     parser.add_argument("--ablation", action="append", default=[],
                         help="ARM=RUN_DIR:PROBE_JSON: an arm of the objective ablation (addendum 15)")
     args = parser.parse_args()
-    out = HERE / "results.json"
-    results = json.loads(out.read_text()) if out.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
+    results = read_results() if RESULTS.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
     if args.bootstrap_probe:
         results["bootstrap_probe"] = probe_row(args.bootstrap_probe)
     descriptions = dict(item.split("=", 1) for item in args.describe)
@@ -188,7 +204,7 @@ def main() -> None:
         order = ("ppo", "grpo", "rloo", "dpo_rank")
         results["ablation"] = dict(sorted(results["ablation"].items(), key=lambda item: order.index(item[0])))
     results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results)
     for name, s in results["settings"].items():
         print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> gate 1 {'passed' if s['gate1_passed'] else 'failed'}")
     for arm, a in results.get("ablation", {}).items():

@@ -14,13 +14,11 @@ has a difference <= 0 (`not moved`). Parts and arms already in results.json and 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from collect import forgetting_row, probe_row
+from collect import forgetting_row, probe_row, read_results, write_results
 from collect_gate2 import final, rule, seed_row
 
-HERE = Path(__file__).resolve().parent
 ARMS = ("plain", "distill")
 
 
@@ -40,8 +38,7 @@ def main() -> None:
     parser.add_argument("--probe", action="append", default=[], help="ARM=PROBE_JSON (the student's gate-1 probe)")
     parser.add_argument("--forgetting", action="append", default=[], help="ARM=ABILITY_JSON (forgetting.py)")
     args = parser.parse_args()
-    out = HERE / "results.json"
-    results = json.loads(out.read_text())
+    results = read_results()
     measured = results.setdefault("context_distillation", {"seeds": {}, "students": {}})
     for item in args.part:
         key, folder = item.split("=", 1)
@@ -55,7 +52,7 @@ def main() -> None:
             measured["students"].setdefault(arm, {})[key] = reader(Path(path))
     measured["seeds"] = dict(sorted(measured["seeds"].items()))
     measured["decision"] = decision(measured["seeds"])
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results)
     d = measured["decision"]
     print(f"context distillation: distilled - plain {d['differences']} mean {d['mean']} -> {d['verdict']}")
 

@@ -21,7 +21,6 @@ import itertools
 import json
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 SEEDS = (100, 101, 102)
 STRATEGIES = ("explorative", "naive", "zero_shot")
 MIN_MEAN = 0.05
@@ -105,8 +104,9 @@ def main() -> None:
     parser.add_argument("--setting", required=True, help="the setting whose adapter the runs evaluated")
     parser.add_argument("--seed", action="append", default=[], help="SEED=EVALUATE_OUTPUT_DIR")
     args = parser.parse_args()
-    out = HERE / "results.json"
-    results = json.loads(out.read_text())
+    from collect import read_results, write_results  # beside this file; the rule above needs none of it
+
+    results = read_results()
     gate2 = results.setdefault("gate2", {}).setdefault(args.setting, {"seeds": {}})
     given: dict[str, dict] = {}
     for item in args.seed:
@@ -116,7 +116,7 @@ def main() -> None:
     gate2["seeds"].update(given)
     gate2["seeds"] = dict(sorted(gate2["seeds"].items()))
     gate2["decision"] = decision(gate2["seeds"])
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results)
     for strategy in ("naive", "explorative"):
         d = gate2["decision"][strategy]
         print(f"setting {args.setting} {strategy}: RL - bootstrap {d['differences']} mean {d['mean']} -> {d['verdict']}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from collect import read_results, write_results
 from collect_gate2 import final, seed_row
 
 MIN_TRAIN_GAIN = 0.03
@@ -38,13 +39,12 @@ def main() -> None:
     parser.add_argument("--setting", required=True, help="the setting whose adapter the runs evaluated")
     parser.add_argument("--folder", type=Path, required=True, help="the evaluate stage's output folder")
     args = parser.parse_args()
-    out = HERE / "results.json"
-    results = json.loads(out.read_text())
+    results = read_results()
     row = seed_row(args.folder)
     config = json.loads(next((args.folder / "runs").glob("*-explorative/config.json")).read_text())
     seed = config["icrl_eval"]["seed"]
     results.setdefault("gate_e", {})[args.setting] = {"seed": seed, **row, "decision": decision(row["runs"])}
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results)
     d = results["gate_e"][args.setting]["decision"]
     print(f"setting {args.setting} gate E (seed {seed}): {d}")
 

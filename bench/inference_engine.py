@@ -224,11 +224,13 @@ def steady_rate(run_dirs: list[Path], at_once: int) -> float:
     """Steps per second summed over `at_once` concurrent runs, each run's rate from its own step and test seconds
     (steps.jsonl, tests.jsonl): the rate once the runs are going, model loads and engine start-up excluded (a long
     run's rate; the wall-clock rate of a short bench counts them)."""
+    from tasks.icrl_eval import read_jsonl
+
     rates = []
     for run_dir in run_dirs:
-        seconds = sum(json.loads(line)["seconds"] for name in ("steps.jsonl", "tests.jsonl")
-                      for line in (run_dir / name).read_text().splitlines())
-        rates.append(len((run_dir / "steps.jsonl").read_text().splitlines()) / seconds)
+        steps, _ = read_jsonl(run_dir / "steps.jsonl")
+        tests, _ = read_jsonl(run_dir / "tests.jsonl")
+        rates.append(len(steps) / sum(event["seconds"] for event in steps + tests))
     return sum(rates) / len(rates) * at_once
 
 

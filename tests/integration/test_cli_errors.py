@@ -7,7 +7,7 @@ from tests.conftest import run_cli
 from tests.unit.test_cli_errors import NOT_UTF8, call
 
 
-def test_the_issues_examples(tmp_path, monkeypatch, capsys):
+def test_the_issues_examples(tmp_path, monkeypatch):
     """The examples of issue 31: the message on stderr, exit code 2, no traceback; three of them through the real
     console script (a fresh interpreter, as a user runs it), the others in-process."""
     monkeypatch.chdir(tmp_path)
@@ -28,5 +28,5 @@ def test_the_issues_examples(tmp_path, monkeypatch, capsys):
         assert result.returncode == 2 and message in result.stderr, (argv, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
     for argv, message in in_process.items():
-        code, err = call(list(argv), capsys)
+        code, err = call(list(argv))
         assert code == 2 and message in err and "Traceback" not in err, (argv, err)

@@ -270,12 +270,12 @@ def test_dpo_mines_code_pairs_on_the_shared_loop():
 # icrl code-eval
 
 
-def test_code_eval_writes_its_json_and_refuses_bad_values(in_tmp, capsys):
+def test_code_eval_writes_its_json_and_refuses_bad_values(in_tmp):
     from tests.unit.test_cli_errors import call
 
     argv = ["code-eval", "--model", "tiny", "--samples", "2", "--tasks-per-level", "1", "--max-new-tokens", "16",
             "--output", "eval.json"]
-    code, err = call(argv, capsys)
+    code, err = call(argv)
     assert code == 0, err
     result = json.loads((in_tmp / "eval.json").read_text())
     assert result["k"] == [1, 2] and result["tasks"] == 3 and result["adapter"] is None
@@ -288,5 +288,5 @@ def test_code_eval_writes_its_json_and_refuses_bad_values(in_tmp, capsys):
                          (["--temperature", "0", "--samples", "3"], "temperature 0 (greedy)"),
                          (["--adapter", "empty"], "no saved adapter there"),
                          (["--samples", "0"], "Invalid value for '--samples'")]:
-        code, err = call(["code-eval", "--model", "tiny", *bad], capsys)
+        code, err = call(["code-eval", "--model", "tiny", *bad])
         assert code == 2 and message in err and "Traceback" not in err, (bad, err)

@@ -22,11 +22,12 @@ are seeded per step), so a resumed run makes the same choices as an uninterrupte
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -500,9 +501,30 @@ def evaluation_steps(train_k: int, test_every: int) -> list[int]:
     return sorted(s for s in steps if 0 <= s < train_k)
 
 
+# A redacted step event holds `query_sha256` instead of `query`; its history record holds this prefix + the digest
+# until run_protocol puts the text back from the training stream.
+REDACTED_QUERY = "sha256:"
+
+
+def query_digest(text: str) -> str:
+    """The first 16 hex digits of the SHA-256 of a query's text (UTF-8): names the query without holding it."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def redact_step_event(event: dict) -> dict:
+    """A logged step event without its query text (`query_sha256` in its place), for a run log that must not hold
+    a dataset's text (e.g. one committed to a repository). `run_protocol` resumes from it as from the original:
+    the text comes back from the training stream, checked against the digest."""
+    if "query" not in event:
+        return dict(event)
+    redacted = {k: v for k, v in event.items() if k != "query"}
+    return {"step": event["step"], "query_sha256": query_digest(event["query"]), **redacted}
+
+
 def history_from_events(events: Sequence[dict]) -> list[EpisodeRecord]:
-    """The history from logged step events (resume)."""
-    return [EpisodeRecord(e["step"], e["query"], e["gold"], e["prediction"], e["reward"], e["feedback"])
+    """The history from logged step events (resume); a redacted event's query is its digest until replayed."""
+    return [EpisodeRecord(e["step"], e["query"] if "query" in e else REDACTED_QUERY + e["query_sha256"], e["gold"],
+                          e["prediction"], e["reward"], e["feedback"])
             for e in events]
 
 
@@ -518,9 +540,11 @@ def run_protocol(predictor: Predictor, task: ClassificationTask, cfg: EvalConfig
     strategy = make_strategy(cfg, max_examples)
     history = list(history)
     for step, record in enumerate(history):  # replay: stateful strategies see every step again
-        if record.step != step or record.query != train[step].text:
+        text = train[step].text
+        if record.step != step or record.query not in (text, REDACTED_QUERY + query_digest(text)):
             raise UserError(f"the step log does not match this configuration at step {step} (different task, "
                             "train_k or training_seed?)")
+        history[step] = replace(record, query=text)  # a redacted log's text comes back from the stream
         strategy.select(history[:step], step)
     tests = set(evaluation_steps(cfg.train_k, cfg.test_every))
     tokens, template = predictor.tokens, predictor.template

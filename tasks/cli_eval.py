@@ -1,5 +1,5 @@
 """CLI commands of the in-context RL evaluation harness: `icrl eval`, `icrl max-examples`, `icrl count-tokens`,
-`icrl inspect`, `icrl plot`, `icrl probe-feedback`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
+`icrl inspect`, `icrl plot`, `icrl probe-feedback`, `icrl redact`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
 set any key."""
 
 import json
@@ -306,6 +306,23 @@ def register(app: typer.Typer) -> None:
             f"{result['gold_after_wrong_ci95'][n][1]:+.3f}]" for n, gain in result["gold_after_wrong"].items()))
         if output is not None:
             out.print(f"wrote {output}")
+
+    @app.command("redact")
+    def redact_command(
+        source: Annotated[Path, typer.Argument(help="A run folder of `icrl eval`, or a folder holding run folders "
+                                                    "(e.g. .icrl/evaluations).", show_default=False,
+                                               **INPUT_FOLDER)],
+        dest: Annotated[Path, typer.Argument(help="The new folder to write (must not exist).", show_default=False,
+                                             **OUTPUT_FOLDER)],
+    ) -> None:
+        """Copy evaluation run folders without the datasets' text: every step log's query is replaced by its
+        SHA-256 digest (`query_sha256`), everything else is copied as it is. `icrl eval --resume` and the evaluate
+        stage continue a copied run as the original (the text comes back from the task's training stream, checked
+        against the digest): a run in progress can be kept somewhere the dataset's text must not go."""
+        from tasks.icrl_eval import redact_runs
+
+        count = redact_runs(source, dest)
+        console().print(f"wrote {dest}: {count} step log(s) without query text")
 
     @app.command("plot")
     def plot_command(

@@ -73,6 +73,32 @@ def rewrite_jsonl(path: Path, records: Sequence[dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
+def redact_runs(source: Path, dest: Path) -> int:
+    """Copy `source` (a run folder, or any folder holding run folders, e.g. `.icrl/evaluations`) to `dest` with every
+    steps.jsonl's query text replaced by its SHA-256 digest; the other files are copied as they are (they hold
+    labels, numbers and settings, no dataset text). A run resumes from the copy as from the original. `dest` must
+    not exist; it appears whole or not at all. Returns the number of step logs redacted."""
+    from icrl_core.icrl_eval import redact_step_event
+
+    source, dest = Path(source), Path(dest)
+    if not source.is_dir():
+        raise UserError(f"{source}: not a folder")
+    if dest.exists():
+        raise UserError(f"{dest} already exists: choose a new folder (the copy is written whole or not at all)")
+    if dest.resolve().is_relative_to(source.resolve()):
+        raise UserError(f"{dest} is inside {source}: choose a folder outside it")
+    staging = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, ignore=shutil.ignore_patterns("steps.jsonl"))
+    redacted = 0
+    for log in sorted(source.rglob("steps.jsonl")):
+        steps, _ = read_jsonl(log)  # a truncated last line (a kill mid-write) is left out, as resuming does
+        rewrite_jsonl(staging / log.relative_to(source), [redact_step_event(s) for s in steps])
+        redacted += 1
+    staging.rename(dest)
+    return redacted
+
+
 class JsonlLog:
     """Append-only JSONL file: one flushed line per record (fsync on request)."""
 

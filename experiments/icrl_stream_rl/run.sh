@@ -19,7 +19,8 @@
 #                 beside this script, to be committed, each stage's latest checkpoint
 #                 (.icrl/checkpoints/<stage>-<config fingerprint>/step-N), the outputs of a training target that has
 #                 not finished (artifacts/<output_dir>, until runs/<target>/probe.json exists) and the evaluation
-#                 work folders (.icrl/evaluations: finished runs and the logs of runs in progress). Every training
+#                 work folders (.icrl/evaluations: finished runs and the logs of runs in progress, copied by
+#                 `icrl redact`: no query text, which must not enter the repository). Every training
 #                 target first restores what is parked, so the next session's run resumes: the stage from its
 #                 checkpoint (the fingerprint in the folder name only matches the same settings), a trained stage is
 #                 not trained again, an evaluation goes on from its log. Delete the parked folder once its run ends
@@ -112,8 +113,9 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
     if [[ -d .icrl/evaluations ]]; then
         rm -rf "$PARKED/evaluations"
         mkdir -p "$PARKED"
-        cp -r .icrl/evaluations "$PARKED/evaluations"
-        echo "== parked .icrl/evaluations in $PARKED/evaluations: commit it"
+        # without the queries' text (each a SHA-256 digest; the run resumes from it): the datasets stay out of git
+        "$ICRL" redact .icrl/evaluations "$PARKED/evaluations"
+        echo "== parked .icrl/evaluations in $PARKED/evaluations (no query text): commit it"
     fi
 }
 

@@ -2,13 +2,16 @@
 each stage's latest checkpoint, an unfinished target's trained outputs and the evaluation work folders beside the
 script, and the next session's training target restores them before it starts: the stage resumes from its
 checkpoint, a trained stage is not trained again, an evaluation goes on from its log. The script runs for real in
-a copy of the project layout; `icrl` is a stand-in that records its calls (what it runs is tested elsewhere)."""
+a copy of the project layout; `icrl` is a stand-in that records its calls (what it runs is tested elsewhere), except `icrl redact`."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,8 @@ def project(tmp_path) -> Path:
     shutil.copy2(ROOT / SCRIPT, tmp_path / SCRIPT)
     stub = tmp_path / ".venv" / "bin" / "icrl"
     stub.parent.mkdir(parents=True)
-    stub.write_text('#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls.log"\n')
+    real = Path(sys.executable).parent / "icrl"  # `icrl redact` (park's copy of the evaluation logs) runs for real
+    stub.write_text(f'#!/bin/sh\n[ "$1" = redact ] && exec {real} "$@"\necho "$@" >> "$(dirname "$0")/calls.log"\n')
     stub.chmod(0o755)
     return tmp_path
 
@@ -88,25 +92,30 @@ def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(proj
     (project / "runs" / "s14" / "probe.json").write_text("{}")
     partial = project / ".icrl" / "evaluations" / "partial" / "k1" / "steps.jsonl"
     partial.parent.mkdir(parents=True)
-    partial.write_text('{"step": 0}\n')
+    step = {"step": 0, "query": "How far is the moon ?", "gold": "numeric", "prediction": "entity", "reward": 0}
+    partial.write_text(json.dumps(step) + "\n")
+    (partial.parent / "tests.jsonl").write_text('{"step": 0, "accuracy": 0.5}\n')
 
     _run(project, "park")
     assert sorted(p.name for p in (project / PARKED / "artifacts").iterdir()) == ["explorative_streams"]
-    assert (project / PARKED / "evaluations" / "partial" / "k1" / "steps.jsonl").read_text() == '{"step": 0}\n'
+    parked_log = project / PARKED / "evaluations" / "partial" / "k1"
+    # the query's text stays out of what is committed: its digest stands in (the run resumes from it)
+    assert json.loads((parked_log / "steps.jsonl").read_text()) == {
+        "step": 0, "query_sha256": hashlib.sha256(b"How far is the moon ?").hexdigest()[:16],
+        **{k: v for k, v in step.items() if k not in ("step", "query")}}
+    assert (parked_log / "tests.jsonl").read_text() == '{"step": 0, "accuracy": 0.5}\n'
 
     for folder in ("artifacts", ".icrl", "runs"):  # the next session's fresh working tree
         shutil.rmtree(project / folder)
     resumed = _run(project, "s15")
     assert (trained / "adapter" / "adapter_model.safetensors").read_text() == "weights"
     assert (trained / "history.json").exists() and "not trained again" in resumed.stdout
-    assert partial.read_text() == '{"step": 0}\n'
+    assert "moon" not in partial.read_text() and "query_sha256" in partial.read_text()
     calls = _calls(project)
     assert [call.split()[:2] for call in calls] == [["stage", "evaluate"], ["probe-feedback", "--task"]]
 
 
 def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strategy(project):
-    import hashlib
-
     kept = project / "experiments" / "icrl_stream_rl" / "adapters" / "explorative_streams"
     kept.mkdir(parents=True)
     sums = []

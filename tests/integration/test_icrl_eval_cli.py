@@ -28,6 +28,11 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _read_complete(path: Path) -> list[dict]:
+    """The complete lines of a log whose last line may be cut."""
+    return [json.loads(line) for line in path.read_text().splitlines()[:-1]]
+
+
 def _stable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in MEASURED} for r in records]
 
@@ -104,12 +109,25 @@ def test_killed_run_resumes_to_the_same_log(tmp_path):
     # A kill can also land mid-line: simulate the worst case, a truncated last line.
     with open(steps_file, "ab") as handle:
         handle.write(b'{"step": 99999, "query": "trunc')
+    # ... and the run goes on from a copy without the queries' text (`icrl redact`, e.g. parked in a repository)
+    redacted = call_cli("redact", str(run_dir), str(tmp_path / "redacted"), cwd=tmp_path)
+    assert redacted.returncode == 0 and "1 step log(s)" in " ".join(redacted.stdout.split()), redacted.stderr
+    queries = {s["query"] for s in _read_complete(steps_file)}
+    assert not any(q.encode() in path.read_bytes() for path in (tmp_path / "redacted").iterdir() for q in queries)
+    again = call_cli("redact", str(run_dir), str(tmp_path / "redacted"), cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    os.rename(run_dir, tmp_path / "original")
+    os.rename(tmp_path / "redacted", run_dir)
 
     resumed = run_cli(*_eval_args(tmp_path, "killed", train_k, "--no-tracking", "--resume"), cwd=tmp_path, env=ENV)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming at step {done}" in resumed.stdout.replace("\n", " ")
     ref_dir = tmp_path / "runs" / "reference"
-    assert _stable(_read(steps_file)) == _stable(_read(ref_dir / "steps.jsonl"))
+    from icrl_core.icrl_eval import redact_step_event
+
+    reference_steps = _read(ref_dir / "steps.jsonl")
+    assert _stable(_read(steps_file)) == _stable([redact_step_event(s) for s in reference_steps[:done]]
+                                                 + reference_steps[done:])
     assert _stable(_read(run_dir / "tests.jsonl")) == _stable(_read(ref_dir / "tests.jsonl"))
 
     changed = run_cli(*_eval_args(tmp_path, "killed", train_k, "--no-tracking", "--resume", "--seed", "6"),

@@ -347,6 +347,32 @@ def test_continuing_from_a_logged_history_reproduces_the_run(tiny, strategy):
     assert _deterministic(resumed) == _deterministic(tail)
 
 
+def test_a_redacted_log_holds_no_query_text_and_resumes_as_the_original(tiny):
+    """`icrl redact`'s step events: the query's text becomes its digest, and the protocol continued from them
+    (naive: every past query is in the context) makes the same choices as from the full log; a digest that does
+    not match the training stream is refused."""
+    import hashlib
+
+    from icrl_core.errors import UserError
+    from icrl_core.icrl_eval import history_from_events, redact_step_event
+
+    task = keyword_map(seed=1)
+    cfg = EvalConfig(strategy="naive", train_k=30, test_every=10, test_k=6)
+    make = lambda: Predictor(tiny, tiny.tokens, task.template, task.labels, PrefixCache(tiny, capacity=4), 1.0)
+    full = [e.to_json() for e in run_protocol(make(), task, cfg, 12)]
+    steps = [e for e in full if "query" in e]
+    k = 17
+    redacted = [redact_step_event(s) for s in steps[:k]]
+    assert all("query" not in r and r["query_sha256"] == hashlib.sha256(s["query"].encode()).hexdigest()[:16]
+               for r, s in zip(redacted, steps))
+    assert [redact_step_event(r) for r in redacted] == redacted
+    resumed = [e.to_json() for e in run_protocol(make(), task, cfg, 12, history_from_events(redacted))]
+    assert _deterministic(resumed) == _deterministic([e for e in full if e["step"] >= k])
+    redacted[5]["query_sha256"] = "0" * 16
+    with pytest.raises(UserError, match="at step 5"):
+        next(run_protocol(make(), task, cfg, 12, history_from_events(redacted)))
+
+
 def test_behaviour_reports_collapse_per_window():
     """Two windows: the first explores (two labels), the second answers one label with certainty."""
     steps = ([{"step": i, "prediction": "a" if i % 2 else "b", "reward": i % 2, "prob": 0.5, "context": []}

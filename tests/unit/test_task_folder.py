@@ -119,7 +119,7 @@ def test_icrl_eval_and_icrl_tasks_on_a_task_folder(tmp_path, monkeypatch, tiny):
                            str(adapter), "--strategy", "random_biased_end", "--p-keep", "0.5", "--train-k", "6",
                            "--test-every", "3", "--test-k", "4", "--debug-k", "1", "--threads", "1",
                            "--output-dir", str(tmp_path / "runs"), "--no-tracking", "--no-progress"])
-    assert code in (0, None), err
+    assert code == 0, err
     run = tmp_path / "runs" / "feelings-naive-seed100"
     config = json.loads((run / "config.json").read_text())
     assert config["icrl_eval"]["task"] == str(folder) and config["icrl_eval"]["strategy"] == "naive"
@@ -129,9 +129,9 @@ def test_icrl_eval_and_icrl_tasks_on_a_task_folder(tmp_path, monkeypatch, tiny):
     assert len(steps) == 6 and {s["gold"] for s in steps} <= {"warm", "cold", "wet"}
 
     code, out, err = call(["tasks", str(folder), "--set", f"data.tasks_dir={folder.parent}"])
-    assert code in (0, None) and "feelings" in out and "Note:" in out, err
+    assert code == 0 and "feelings" in out and "Note:" in out, err
     code, out, err = call(["tasks", "--set", f"data.tasks_dir={folder.parent}"])
-    assert code in (0, None) and "feelings" in out and "banking77" in out, err
+    assert code == 0 and "feelings" in out and "banking77" in out, err
 
     for bad, message in ((tmp_path / "nothing", "does not exist"), (tmp_path / "adapter", "label list not found")):
         code, _, err = call(["eval", "--task", str(bad), "--model", "tiny", "--no-tracking"])
@@ -166,10 +166,10 @@ def test_the_stages_build_and_tokenize_a_task_folder_from_an_experiment_file(tmp
         "data.task_prompts: {./feelings: {task_description: Group the word.}}\n"
         "model.spec: tiny\nmodel.dtype: float32\ntracking.enabled: false\n")
     code, _, err = call(["stage", "build_dataset", "-c", "exp.yaml"])
-    assert code in (0, None), err
+    assert code == 0, err
     TEMPLATES.pop("feelings")
     code, _, err = call(["stage", "tokenize", "-c", "exp.yaml"])
-    assert code in (0, None), err
+    assert code == 0, err
     rows = read_tokenized(glob.glob("artifacts/tokenized/*.parquet")[0])
     text = load_tokenizer("tiny").decode(rows[0].input_ids)
     assert "Group the word." in text and "Note: I thought about the" in text and "Feel:" in text

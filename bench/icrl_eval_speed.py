@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness_timing import harness_run
 
 STRATEGIES = ("naive", "explorative", "approximate")
 MODES = ("reuse", "recompute")
@@ -40,7 +41,7 @@ def one_run(strategy: str, mode: str, args) -> dict:
     import torch
 
     from icrl_core.config import EvalConfig
-    from icrl_core.icrl_eval import EvaluationEvent, Predictor, StepEvent, max_context_examples, run_protocol, show_for
+    from icrl_core.icrl_eval import Predictor, max_context_examples, show_for
     from icrl_core.kernels import PrefixCache
     from icrl_core.model import load_policy
     from icrl_core.task_data import load_task
@@ -55,40 +56,10 @@ def one_run(strategy: str, mode: str, args) -> dict:
     capacity = cfg.max_contexts + 1 if strategy == "approximate" else 2
     predictor = Predictor(policy, policy.tokens, task.template, task.labels,
                           PrefixCache(policy, capacity=capacity, reuse=cfg.reuse_cache), cfg.temperature)
-    steps, tests = [], []
-    started = time.perf_counter()
-    for event in run_protocol(predictor, task, cfg, max_examples):
-        if isinstance(event, StepEvent):
-            steps.append(event.to_json())
-        elif isinstance(event, EvaluationEvent):
-            tests.append(event.to_json())
-    wall = time.perf_counter() - started
-    train_seconds = sum(s["seconds"] for s in steps)
-
-    def phase(rows):
-        seconds = sum(r["seconds"] for r in rows)
-        return {"steps": len(rows), "seconds": round(seconds, 2),
-                "steps_per_s": round(len(rows) / seconds, 4) if seconds else None,
-                "tokens_computed_per_step": round(sum(r["tokens_computed"] for r in rows) / len(rows), 1)
-                if rows else None}
-
-    return {
-        "strategy": strategy, "mode": mode, "max_examples": max_examples, "expand": predictor.expand,
-        "steps": len(steps), "train_seconds": round(train_seconds, 2),
-        "steps_per_s": round(len(steps) / train_seconds, 4),
-        "tokens_computed_per_step": round(sum(s["tokens_computed"] for s in steps) / len(steps), 1),
-        "prompt_tokens_per_step": round(sum(s["prompt_tokens"] for s in steps) / len(steps), 1),
-        "mean_context_episodes": round(sum(len(s["context"]) for s in steps) / len(steps), 1),
-        "growing_phase": phase([s for s in steps if s["step"] <= max_examples]),
-        "full_phase": phase([s for s in steps if s["step"] > max_examples]),
-        "test_seconds": round(sum(t["seconds"] for t in tests), 2),
-        "test_queries": sum(len(t["predictions"]) for t in tests),
-        "test_tokens_computed": sum(t["tokens_computed"] for t in tests),
-        "wall_seconds": round(wall, 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "predictions": [s["prediction"] for s in steps],
-        "test_predictions": [t["predictions"] for t in tests],
-    }
+    run = harness_run(predictor, task, cfg, max_examples)
+    return {"strategy": strategy, "mode": mode, "expand": predictor.expand, "steps": len(run["predictions"]), **run,
+            "test_predictions": list(run["test_predictions"].values()),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def main() -> None:

@@ -48,6 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.harness_timing import harness_run
+
 TASKS_DIR = str(ROOT.parent / "shared" / "data" / "icrl-tasks")
 
 
@@ -74,37 +76,6 @@ def one_run(spec: dict) -> dict:
     engine = TorchEngine(policy, reuse=spec["mode"] != "recompute")
     predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, cfg.temperature, engine=engine)
     return {**spec, **harness_run(predictor, task, cfg, max_examples)}
-
-
-def harness_run(predictor, task, cfg, max_examples: int) -> dict:
-    """Run the protocol with `predictor`; rates per phase, predictions and test curves."""
-    from icrl_core.icrl_eval import EvaluationEvent, StepEvent, run_protocol
-
-    steps, tests = [], []
-    started = time.perf_counter()
-    for event in run_protocol(predictor, task, cfg, max_examples):
-        if isinstance(event, StepEvent):
-            steps.append(event.to_json())
-        elif isinstance(event, EvaluationEvent):
-            tests.append(event.to_json())
-    wall = time.perf_counter() - started
-
-    def phase(rows):
-        seconds = sum(r["seconds"] for r in rows)
-        return {"steps": len(rows), "seconds": round(seconds, 2),
-                "steps_per_s": round(len(rows) / seconds, 4) if seconds else None,
-                "tokens_computed_per_step": round(sum(r["tokens_computed"] for r in rows) / len(rows), 1)
-                if rows else None}
-
-    return {"max_examples": max_examples, "steps_per_s": phase(steps)["steps_per_s"],
-            "tokens_computed_per_step": phase(steps)["tokens_computed_per_step"],
-            "prompt_tokens_per_step": round(sum(s["prompt_tokens"] for s in steps) / len(steps), 1),
-            "growing_phase": phase([s for s in steps if s["step"] <= max_examples]),
-            "full_phase": phase([s for s in steps if s["step"] > max_examples]),
-            "test_seconds": round(sum(t["seconds"] for t in tests), 2), "wall_seconds": round(wall, 2),
-            "predictions": [s["prediction"] for s in steps],
-            "test_curve": {t["step"]: t["accuracy"] for t in tests},
-            "test_predictions": {t["step"]: t["predictions"] for t in tests}}
 
 
 def side_by_side(specs: list[dict]) -> tuple[list[dict], dict]:

@@ -6,7 +6,9 @@ the evaluate stage's runs of the RL adapter (`trained`), the bootstrap it starte
         --seed 100=artifacts/evaluate_gate2_seed100 --seed 101=... --seed 102=...
 
 A seed evaluated in parts (one strategy per part, addendum 23) is given once per part's folder:
-`--seed 100=artifacts/gate2_s15/seed100-explorative --seed 100=artifacts/gate2_s15/seed100-naive`.
+`--seed 100=artifacts/gate2_s15/seed100-explorative --seed 100=artifacts/gate2_s15/seed100-naive`; a part given
+alone for a seed already in results.json joins that seed's kept runs (a run collected again replaces its copy), so
+the parts may be collected in different sessions, and a part still running is collected with the runs it finished.
 
 Rule (fixed before the runs): for naive or for explorative, RL minus bootstrap test accuracy at step 999 is
 positive on all three seeds AND its mean over them is at least 0.05. With fewer than three seeds the decision is
@@ -39,17 +41,38 @@ def seed_row(folder: Path) -> dict:
                           "behaviour": stream_behaviour(run / "steps.jsonl")}
     keep = ("forgetting_base_accuracy", "forgetting_trained_accuracy", "forgetting_drop",
             "forgetting_probe_base_accuracy", "forgetting_probe_trained_accuracy", "forgetting_probe_change",
-            "feedback_effect_base", "feedback_effect_trained", "seconds")
-    return {"runs": runs, **{k: metrics[k] for k in keep if k in metrics}}
+            "feedback_effect_base", "feedback_effect_trained")
+    row = {"runs": runs, **{k: metrics[k] for k in keep if k in metrics}}
+    if "seconds" in metrics:  # written when the stage has finished
+        row["part_seconds"] = {part_name(runs): metrics["seconds"]}
+    return with_seconds(row)
+
+
+def part_name(runs) -> str:
+    """A part by the strategies of its runs (`start-naive`, `trained-naive` -> "naive")."""
+    return "+".join(sorted({name.split("-", 1)[1] for name in runs}))
+
+
+def with_seconds(row: dict) -> dict:
+    """`part_seconds` (the stage seconds of each part) and their sum as `seconds`; a row written before parts had
+    their own seconds counts its `seconds` as one part, named by its runs."""
+    parts = row.get("part_seconds") or ({part_name(row["runs"]): row["seconds"]} if "seconds" in row else {})
+    out = {k: v for k, v in row.items() if k not in ("seconds", "part_seconds")}
+    if parts:
+        out.update(part_seconds=parts, seconds=round(sum(parts.values()), 2))
+    return out
 
 
 def merge_parts(first: dict, second: dict) -> dict:
-    """One seed run in parts (addendum 23: one strategy per part, each in its own folder, `--seed S=A --seed S=B`):
-    the runs of both, their stage seconds summed, the other measures from whichever part has them (the later one
-    when both do: the forgetting measures are the same cached numbers)."""
+    """One seed run in parts (addendum 23: one strategy per part, each in its own folder, `--seed S=A --seed S=B`,
+    or parts collected in different sessions): the runs of both (the second's replacing the first's of the same
+    name), each part's stage seconds (likewise) and their sum, the other measures from whichever part has them (the
+    later one when both do: the forgetting measures are the same cached numbers)."""
+    first, second = with_seconds(first), with_seconds(second)
     merged = {**first, **second, "runs": {**first["runs"], **second["runs"]}}
-    if "seconds" in first and "seconds" in second:
-        merged["seconds"] = round(first["seconds"] + second["seconds"], 2)
+    parts = {**first.get("part_seconds", {}), **second.get("part_seconds", {})}
+    if parts:
+        merged.update(part_seconds=parts, seconds=round(sum(parts.values()), 2))
     return merged
 
 
@@ -113,7 +136,9 @@ def main() -> None:
         seed, folder = item.split("=", 1)
         row = seed_row(Path(folder))
         given[seed] = merge_parts(given[seed], row) if seed in given else row
-    gate2["seeds"].update(given)
+    for seed, row in given.items():
+        kept = gate2["seeds"].get(seed)
+        gate2["seeds"][seed] = merge_parts(kept, row) if kept else row
     gate2["seeds"] = dict(sorted(gate2["seeds"].items()))
     gate2["decision"] = decision(gate2["seeds"])
     write_results(results)

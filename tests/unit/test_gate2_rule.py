@@ -80,3 +80,19 @@ def test_a_seed_run_in_parts_is_one_seed():
     merged = collect_gate2.merge_parts(explorative, naive)
     assert set(merged["runs"]) == {"trained-explorative", "trained-naive"}
     assert merged["seconds"] == 150.0 and merged["forgetting_drop"] == 0.01
+
+
+def test_a_part_collected_in_a_later_session_joins_the_kept_seed():
+    """The kept explorative part of a seed stays when its naive part is collected alone (first while its base run
+    is still going, then again finished): runs replaced by name, each part's seconds counted once."""
+    kept = {"runs": {"trained-explorative": {"test_accuracy": {"999": 0.5}}}, "seconds": 100.0, "forgetting_drop": 0.01}
+    running = {"runs": {"start-naive": {}, "trained-naive": {"test_accuracy": {"999": 0.2}}}}
+    first = collect_gate2.merge_parts(kept, running)
+    assert set(first["runs"]) == {"trained-explorative", "start-naive", "trained-naive"}
+    assert first["seconds"] == 100.0 and first["part_seconds"] == {"explorative": 100.0}
+    finished = {"runs": {"start-naive": {}, "trained-naive": {}, "base-naive": {}}, "part_seconds": {"naive": 50.0},
+                "forgetting_drop": 0.02}
+    again = collect_gate2.merge_parts(first, finished)
+    assert set(again["runs"]) == {"trained-explorative", "start-naive", "trained-naive", "base-naive"}
+    assert again["seconds"] == 150.0 and again["forgetting_drop"] == 0.02
+    assert collect_gate2.merge_parts(again, finished)["seconds"] == 150.0  # collected twice: counted once

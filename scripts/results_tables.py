@@ -243,6 +243,26 @@ def bench_inference_engine() -> str:
 
 
 
+def bench_compute_ceiling() -> str:
+    """How close the exact naive step is to the core's matrix-multiply rate (bench/compute_ceiling.py)."""
+    if not (ROOT / "bench/results/compute_ceiling.json").exists():
+        return ("Not measured yet: run `.venv/bin/python bench/compute_ceiling.py` (writes "
+                "`bench/results/compute_ceiling.json`, then `python scripts/results_tables.py` fills this table).\n")
+    data = _json("bench/results/compute_ceiling.json")
+    rows = [[name, f"{r['matmul']['gflop_per_s']:.0f}", f"{r['forward_gflop']:.0f}", f"{r['forward_seconds']:.2f}",
+             f"{r['utilization']:.0%}", f"{r['fastest_step_seconds']:.2f}", f"{r['ceiling_vs_float32_recompute']:.2f}x",
+             f"{r['two_naive_runs_on_all_cores_lower_bound_min']:.0f}"]
+            for name, r in data["dtypes"].items()]
+    machine = data["machine"]
+    return (_table(["dtype", "matmul GFLOP/s (1 thread)", "GFLOP per full-window step", "step seconds (recompute)",
+                    "of the matmul rate", "fastest exact step at the matmul rate (s)",
+                    "ceiling of any exact method vs recomputing in float32",
+                    f"two naive runs' {data['full_window_steps']} full-window steps, all cores, at the matmul rate "
+                    "(min)"], rows)
+            + f"\n{data['tokens_per_step']} window tokens per step (the port's full-phase mean), one torch thread, "
+            f"{machine['cpu']}, {machine['cpus']} cores, load average {machine['load_avg_before'][0]:.1f} before; "
+            f"{'quick, ' if data['quick'] else ''}measured {data['finished'][:10]}.\n")
+
 def bench_stream_rollouts() -> str:
     """Who decodes stream rollouts: the policy's own cache, the torch engine, vLLM (bench/stream_rollouts.py)."""
     if not (ROOT / "bench/results/stream_rollouts.json").exists():
@@ -744,6 +764,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "skill-feedback-probe": skill_feedback_probe,
     "bench-eval-speed": bench_eval_speed,
     "bench-inference-engine": bench_inference_engine,
+    "bench-compute-ceiling": bench_compute_ceiling,
     "bench-ppo-vs-trl": bench_ppo_vs_trl,
     "bench-async-rollouts": bench_async_rollouts,
 }

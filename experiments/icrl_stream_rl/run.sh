@@ -104,6 +104,7 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
     done
     for output in "${!FINAL[@]}"; do
         if [[ -f artifacts/$output/adapter/adapter_model.safetensors && ! -f ${FINAL[$output]} ]]; then
+            if is_kept_copy "$output"; then continue; fi  # restored from adapters/: the repository has it
             rm -rf "$PARKED/artifacts/$output"
             mkdir -p "$PARKED/artifacts"
             cp -r "artifacts/$output" "$PARKED/artifacts/$output"
@@ -117,6 +118,11 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
         "$ICRL" redact .icrl/evaluations "$PARKED/evaluations"
         echo "== parked .icrl/evaluations in $PARKED/evaluations (no query text): commit it"
     fi
+}
+
+is_kept_copy() {  # is_kept_copy OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter holds the files of adapters/OUTPUT_DIR
+    local sums=$PWD/$E/adapters/$1/SHA256SUMS
+    [[ -f $sums ]] && (cd "artifacts/$1/adapter" && sha256sum --quiet --status -c "$sums")
 }
 
 restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (adapters/NAME) -> DEST, when

@@ -138,6 +138,10 @@ def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strat
     assert "evaluate.strategies=[explorative]" in call
     assert "evaluate.output_dir=artifacts/gate2_s15/seed101-explorative" in call
 
+    _run(project, "park")  # the restored kept adapter is not parked again: the repository holds it
+    assert not (project / PARKED / "artifacts").exists()
+    assert (project / PARKED / "evaluations" / "partial" / "k2" / "steps.jsonl").exists()
+
     (kept / "adapter_config.json").write_text("changed")  # a kept adapter that does not verify is never used
     shutil.rmtree(adapter)
     failed = subprocess.run(["bash", str(project / SCRIPT), "s15-forgetting"], cwd=project, capture_output=True,

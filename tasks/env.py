@@ -17,6 +17,9 @@ DEFAULTS = {
     # The ephemeral Prefect server (`icrl demo`, `icrl pipeline` without `icrl up`) gets 20 s to start by default;
     # on a loaded 2-core machine it needed more and the run died before its first stage.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    # A Prefect server write waits this long for SQLite's lock (default 10 s) before answering 503; on a loaded
+    # 2-core machine a deployment trigger got that 503 (CI, 2026-11-28).
+    "PREFECT_SERVER_DATABASE_TIMEOUT": "60",
     "RAY_USAGE_STATS_ENABLED": "0",
     # Otherwise Ray listens on every interface even when given 127.0.0.1.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

@@ -145,7 +145,13 @@ def project(request, ray_head) -> Path:
 
 
 def _api(client: httpx.Client, method: str, path: str, **kwargs):
-    response = client.request(method, path, **kwargs)
+    # The server answers 503 for errors it marks retryable (SQLite busy) and Prefect's own client retries those,
+    # 429 and 502 with backoff (PREFECT_CLIENT_MAX_RETRIES = 5); a raw HTTP caller does the same.
+    for attempt in range(6):
+        response = client.request(method, path, **kwargs)
+        if response.status_code not in (429, 502, 503):
+            break
+        time.sleep(2 ** attempt)
     assert response.status_code < 400, f"{method} {path}: {response.status_code} {response.text[:500]}"
     return response.json()
 

@@ -10,6 +10,11 @@ import sys
 from tests.conftest import ROOT
 
 
+def _documents() -> list:
+    """The markdown files a reader opens: the README, docs/ and every experiment's."""
+    return [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "experiments").rglob("*.md")]
+
+
 def test_generated_tables_are_current():
     out = subprocess.run([sys.executable, "scripts/results_tables.py", "--check"], cwd=ROOT, check=False,
                          capture_output=True, text=True)
@@ -21,7 +26,7 @@ def test_readme_is_small():
 
 
 def test_markdown_links_point_at_files():
-    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "experiments").rglob("*.md")]:
+    for doc in _documents():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
             if "://" in target:
                 continue
@@ -43,11 +48,12 @@ def _anchors(text: str) -> set[str]:
 
 
 def test_markdown_anchor_links_point_at_anchors():
-    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "experiments").rglob("*.md")]:
+    for doc in _documents():
         for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", doc.read_text(encoding="utf-8")):
             if "://" in target:
                 continue
             linked = doc.parent / target if target else doc
             if linked.suffix != ".md":
                 continue  # a source file's line anchors (#L10) are GitHub's, not the file's
-            assert anchor in _anchors(linked.read_text(encoding="utf-8")), f"{doc.relative_to(ROOT)}: no #{anchor} in {target or doc.name}"
+            assert anchor in _anchors(linked.read_text(encoding="utf-8")), \
+                f"{doc.relative_to(ROOT)}: no #{anchor} in {target or doc.name}"

@@ -52,6 +52,20 @@ def wait_http(url: str, timeout: float = 120.0, process: subprocess.Popen | None
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
+
+def prefect_rest(client, method: str, path: str, **kwargs):
+    """One call to the Prefect REST API by raw HTTP (what the UI does), with the retries Prefect's own client makes:
+    the server answers 503 for errors it marks retryable (SQLite busy on a loaded machine), 429 and 502 likewise,
+    so back off 1, 2, 4, ... 32 s. `client` is an httpx.Client on the API URL; returns the decoded JSON body."""
+    for attempt in range(6):
+        response = client.request(method, path, **kwargs)
+        if response.status_code not in (429, 502, 503):
+            break
+        time.sleep(2 ** attempt)
+    if response.status_code >= 400:
+        raise RuntimeError(f"Prefect API {method} {path}: {response.status_code} {response.text[:500]}")
+    return response.json()
+
 @dataclass
 class Services:
     host: str = "127.0.0.1"

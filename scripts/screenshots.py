@@ -106,7 +106,7 @@ def main() -> None:
     import httpx
     import mlflow
 
-    from flows.services import Services
+    from flows.services import Services, prefect_rest
 
     os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", "2")
     services = Services(prefect_port=args.prefect_port, mlflow_port=args.mlflow_port)
@@ -117,15 +117,15 @@ def main() -> None:
         services.deploy()
         services.start_worker()
         with httpx.Client(base_url=services.prefect_api, timeout=30) as client:
-            deployment = client.get("/deployments/name/icrl-pipeline/pipeline").json()
+            deployment = prefect_rest(client, "GET", "/deployments/name/icrl-pipeline/pipeline")
             # The demo's own value: DVC sees no change, every stage is up to date, the run shows all eight.
-            flow_run = client.post(f"/deployments/{deployment['id']}/create_flow_run",
-                                   json={"parameters": {"overrides": {"ppo.kl_beta": 0.02}}}).json()
+            flow_run = prefect_rest(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                                    json={"parameters": {"overrides": {"ppo.kl_beta": 0.02}}})
             state = "SCHEDULED"
             deadline = time.time() + 3600
             while state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and time.time() < deadline:
                 time.sleep(3)
-                state = client.get(f"/flow_runs/{flow_run['id']}").json()["state"]["type"]
+                state = prefect_rest(client, "GET", f"/flow_runs/{flow_run['id']}")["state"]["type"]
             print(f"flow run {flow_run['name']}: {state}")
         ui = f"http://127.0.0.1:{args.prefect_port}"
         shoot(args.chromium, f"{ui}/runs/flow-run/{flow_run['id']}", args.out / "prefect-flow-run.png")

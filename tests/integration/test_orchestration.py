@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flows.services import prefect_rest
 from tasks.stages import pipeline_stages, stage_names
 from tests.conftest import ROOT, TASKS_DIR
 
@@ -144,21 +145,9 @@ def project(request, ray_head) -> Path:
     return folder
 
 
-def _api(client: httpx.Client, method: str, path: str, **kwargs):
-    # The server answers 503 for errors it marks retryable (SQLite busy) and Prefect's own client retries those,
-    # 429 and 502 with backoff (PREFECT_CLIENT_MAX_RETRIES = 5); a raw HTTP caller does the same.
-    for attempt in range(6):
-        response = client.request(method, path, **kwargs)
-        if response.status_code not in (429, 502, 503):
-            break
-        time.sleep(2 ** attempt)
-    assert response.status_code < 400, f"{method} {path}: {response.status_code} {response.text[:500]}"
-    return response.json()
-
-
 def _wait(client: httpx.Client, flow_run_id: str, deadline: float) -> dict:
     while True:
-        run = _api(client, "GET", f"/flow_runs/{flow_run_id}")
+        run = prefect_rest(client, "GET", f"/flow_runs/{flow_run_id}")
         if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") or time.time() > deadline:
             return run
         time.sleep(3)
@@ -167,8 +156,8 @@ def _wait(client: httpx.Client, flow_run_id: str, deadline: float) -> dict:
 def _logs(client: httpx.Client, flow_run_id: str) -> str:
     messages, offset = [], 0
     while True:
-        page = _api(client, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                                          "limit": 200, "offset": offset})
+        page = prefect_rest(client, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                                  "limit": 200, "offset": offset})
         messages += [entry["message"] for entry in page]
         if len(page) < 200:
             return "\n".join(messages)
@@ -191,21 +180,21 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
         assert "icrl-pipeline/pipeline" in deployed
         services.start_worker()
         with httpx.Client(base_url=services.prefect_api, timeout=30) as client:
-            deployment = _api(client, "GET", "/deployments/name/icrl-pipeline/pipeline")
+            deployment = prefect_rest(client, "GET", "/deployments/name/icrl-pipeline/pipeline")
             # What the UI's "Run" button posts. One run in the workspace (a run with overrides is a DVC experiment
             # that restores the workspace afterwards: tests/integration/test_experiments.py; two runs at once take
             # too long for the suite).
-            created = [_api(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+            created = [prefect_rest(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
                             json={"parameters": {}})]
             deadline = time.time() + 840
             runs = [_wait(client, run["id"], deadline) for run in created]
-            task_runs = [_api(client, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+            task_runs = [prefect_rest(client, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
                          for run in runs]
             logs = "\n".join(_logs(client, run["id"]) for run in runs)
             # the promotion deployment takes an evaluation, not a metric: no caller can skip the gates. Prefect's
             # server accepts the request (it does not forbid extra parameters); the flow refuses it when it starts
-            promotion = _api(client, "GET", "/deployments/name/icrl-promotion/promotion")
-            refused = _api(client, "POST", f"/deployments/{promotion['id']}/create_flow_run",
+            promotion = prefect_rest(client, "GET", "/deployments/name/icrl-promotion/promotion")
+            refused = prefect_rest(client, "POST", f"/deployments/{promotion['id']}/create_flow_run",
                            json={"parameters": {"adapter_dir": "artifacts/ppo/adapter", "metric": 1.0}})
             refused = _wait(client, refused["id"], time.time() + 180)
         worker_log = (project / ".icrl" / "logs" / "prefect-worker.log").read_text(errors="replace")

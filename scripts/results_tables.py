@@ -512,10 +512,12 @@ def stream_rl_ablation() -> str:
 
 
 def stream_rl_distillation() -> str:
-    """Issue 29's context-distillation measurement (experiments/icrl_stream_rl, addendum 27): naive test curves of
-    the plain and the distilled student per seed, the bootstrap and the base model beside them, the decision."""
-    measured = _json("experiments/icrl_stream_rl/results.json").get("context_distillation")
-    if not measured or not measured.get("seeds"):
+    """Issue 29's context-distillation measurement (experiments/icrl_stream_rl, addendum 27): the two students
+    (gate-1 probe beside the settings' recorded gaps, forgetting, training), then the naive test curves of the plain
+    and the distilled student per seed, the bootstrap and the base model beside them, and the decision."""
+    results = _json("experiments/icrl_stream_rl/results.json")
+    measured = results.get("context_distillation")
+    if not measured or not (measured.get("seeds") or measured.get("students")):
         return "Not run yet (pre-registered in addendum 27).\n"
 
     def curve(run: dict | None) -> str:
@@ -523,6 +525,37 @@ def stream_rl_distillation() -> str:
             return "-"
         return " / ".join(f"{run['test_accuracy'][k]:.3f}" for k in sorted(run["test_accuracy"], key=int))
 
+    def change(measure: dict | None) -> str:
+        if measure is None:
+            return "-"
+        low, high = measure["ci95"]
+        return f"{measure['base']:.3f} -> {measure['trained']:.3f} ({measure['change'] * 100:+.1f} points [{low * 100:+.1f}, {high * 100:+.1f}])"
+
+    out = ""
+    setting_of = {"plain": "1", "distill": "2"}
+    student_rows = []
+    for arm, student in measured.get("students", {}).items():
+        probe, forgetting = student.get("probe"), student.get("forgetting", {})
+        training = student.get("training", {})
+        recorded = results.get("settings", {}).get(setting_of.get(arm, ""), {}).get("gate1_gap")
+        gap = None if probe is None else probe["p_target"]["n1_right"] - probe["p_target"]["n1_wrong"]
+        validation = training.get("validation_training_tasks")
+        seconds = training.get("compute", {}).get("loop_seconds")
+        student_rows.append([
+            f"{arm} (setting {setting_of.get(arm, '?')})",
+            "-" if probe is None else f"{probe['p_target']['n1_wrong']:.3f} / {probe['p_target']['n1_right']:.3f}",
+            "-" if gap is None else _signed(gap) + ("" if recorded is None else f" (setting: {_signed(recorded)})"),
+            change(forgetting.get("probe_1509_items")), change(forgetting.get("greedy_197_questions")),
+            "-" if not validation else (f"{validation[0]['val_reward']:.2f} -> {validation[-1]['val_reward']:.2f}; "
+                                        f"switch {validation[0]['val_switch_after_wrong']:.2f} -> "
+                                        f"{validation[-1]['val_switch_after_wrong']:.2f}"),
+            "-" if seconds is None else f"{seconds / 60:.0f} min"])
+    if student_rows:
+        out += _table(["student", "p(`entity`) after 1 attempt marked wrong / right", "right - wrong (gate 1)",
+                       "forgetting probe (1509 items)", "greedy check (197 questions)",
+                       "validation streams of the training tasks: reward", "training wall"], student_rows)
+    if not measured.get("seeds"):
+        return out + "\nThe evaluation parts on held-out trec_coarse have not run yet.\n"
     rows = []
     for seed, arms in measured["seeds"].items():
         any_arm = next(iter(arms.values()))["runs"]
@@ -532,20 +565,12 @@ def stream_rl_distillation() -> str:
                      _signed(measured["decision"]["differences"][seed])
                      if seed in measured["decision"]["differences"] else "-"])
     d = measured["decision"]
-    students = []
-    for arm, student in measured.get("students", {}).items():
-        parts = []
-        if "probe" in student:
-            pt = student["probe"]["p_target"]
-            parts.append(f"feedback probe {pt['n1_wrong']:.3f} wrong / {pt['n1_right']:.3f} right")
-        if "forgetting" in student:
-            parts.append(f"forgetting probe {student['forgetting']['probe_1509_items']['change'] * 100:+.1f} points")
-        students.append(f"{arm}: " + ", ".join(parts))
-    return (_table(["seed", "plain student (naive, steps 0/249/499/749/999)", "distilled student",
-                    "bootstrap", "base model", "distilled - plain at 999"], rows)
+    return (out + ("\n" if out else "")
+            + _table(["seed", "plain student (naive, steps 0/249/499/749/999)", "distilled student",
+                      "bootstrap", "base model", "distilled - plain at 999"], rows)
             + f"\nDecision (addendum 27: positive on all three seeds and mean >= 0.05): mean "
-            f"{'-' if d['mean'] is None else _signed(d['mean'])}, **{d['verdict']}**."
-            + (" Students: " + "; ".join(students) + "." if students else "") + "\n")
+            f"{'-' if d['mean'] is None else _signed(d['mean'])}, **{d['verdict']}**.\n")
+
 
 def stream_rl_gate2() -> str:
     """Gate 2 of experiments/icrl_stream_rl: held-out trec_coarse test accuracy of the RL adapter, the bootstrap it

@@ -4,7 +4,8 @@ the base model that came with them), each student's gate-1 probe and forgetting 
 
     .venv/bin/python experiments/icrl_stream_rl/collect_distill.py \
         --part 100:plain=artifacts/cd_eval/seed100-plain --part 100:distill=artifacts/cd_eval/seed100-distill \
-        --probe plain=runs/cd-plain/probe.json --forgetting plain=runs/cd-plain/forgetting.json
+        --probe plain=runs/cd-plain/probe.json --forgetting plain=runs/cd-plain/forgetting.json \
+        --run plain=artifacts/cd_plain
 
 Rule (addendum 27, fixed before the runs): distilled minus plain naive test accuracy at step 999 is positive on all
 three seeds AND its mean is at least 0.05 ("moved"). With fewer than three seeds: `pending`, unless a seed already
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from collect import forgetting_row, probe_row, read_results, write_results
+from collect import compute, curve, forgetting_row, probe_row, read_results, write_results
 from collect_gate2 import final, rule, seed_row
 
 ARMS = ("plain", "distill")
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--part", action="append", default=[], help="SEED:ARM=EVALUATE_OUTPUT_DIR (ARM plain|distill)")
     parser.add_argument("--probe", action="append", default=[], help="ARM=PROBE_JSON (the student's gate-1 probe)")
     parser.add_argument("--forgetting", action="append", default=[], help="ARM=ABILITY_JSON (forgetting.py)")
+    parser.add_argument("--run", action="append", default=[],
+                        help="ARM=RUN_DIR (the student's ppo output: its validation streams and training wall time)")
     args = parser.parse_args()
     results = read_results()
     measured = results.setdefault("context_distillation", {"seeds": {}, "students": {}})
@@ -46,7 +49,11 @@ def main() -> None:
         if arm not in ARMS:
             raise SystemExit(f"--part {item}: the arm must be one of {ARMS}")
         measured["seeds"].setdefault(seed, {})[arm] = seed_row(Path(folder))
-    for option, reader, key in ((args.probe, probe_row, "probe"), (args.forgetting, forgetting_row, "forgetting")):
+    def training(run_dir: Path) -> dict:
+        return {"run": str(run_dir), "validation_training_tasks": curve(run_dir), "compute": compute(run_dir)}
+
+    for option, reader, key in ((args.probe, probe_row, "probe"), (args.forgetting, forgetting_row, "forgetting"),
+                                (args.run, training, "training")):
         for item in option:
             arm, path = item.split("=", 1)
             measured["students"].setdefault(arm, {})[key] = reader(Path(path))

@@ -14,7 +14,8 @@
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
 #                 into artifacts/cd_plain and artifacts/cd_distill, then their gate-1 probe and forgetting measures
 #   cd-eval-SEED-ARM  one naive evaluation part of addendum 27 (SEED 100, 101, 102; ARM plain or distill) into
-#                 artifacts/cd_eval/seedSEED-ARM (the evaluate stage's outputs)
+#                 artifacts/cd_eval/seedSEED-ARM (the evaluate stage's outputs), the student restored from
+#                 adapters/cd_ARM when artifacts/cd_ARM has none
 #   park          after stopping a run that cannot finish inside the session (addendum 23): copy to checkpoints/
 #                 beside this script, to be committed, each stage's latest checkpoint
 #                 (.icrl/checkpoints/<stage>-<config fingerprint>/step-N), the outputs of a training target that has
@@ -201,6 +202,7 @@ for target in "$@"; do
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             part=${target#cd-eval-}
             seed=${part%%-*} arm=${part#*-}
+            restore_kept "cd_$arm" "artifacts/cd_$arm/adapter" || exit 1
             step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
                 --set "evaluate.adapter=artifacts/cd_$arm/adapter" --set "evaluate.strategies=[naive]" \
                 --set "evaluate.output_dir=artifacts/cd_eval/seed$seed-$arm" ;;

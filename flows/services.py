@@ -52,7 +52,6 @@ def wait_http(url: str, timeout: float = 120.0, process: subprocess.Popen | None
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
-
 def prefect_rest(client, method: str, path: str, **kwargs):
     """One call to the Prefect REST API by raw HTTP (what the UI does), with the retries Prefect's own client makes:
     the server answers 503 for errors it marks retryable (SQLite busy on a loaded machine), 429 and 502 likewise,
@@ -65,6 +64,7 @@ def prefect_rest(client, method: str, path: str, **kwargs):
     if response.status_code >= 400:
         raise RuntimeError(f"Prefect API {method} {path}: {response.status_code} {response.text[:500]}")
     return response.json()
+
 
 @dataclass
 class Services:

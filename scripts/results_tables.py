@@ -529,7 +529,8 @@ def stream_rl_distillation() -> str:
         if measure is None:
             return "-"
         low, high = measure["ci95"]
-        return f"{measure['base']:.3f} -> {measure['trained']:.3f} ({measure['change'] * 100:+.1f} points [{low * 100:+.1f}, {high * 100:+.1f}])"
+        return (f"{measure['base']:.3f} -> {measure['trained']:.3f} "
+                f"({measure['change'] * 100:+.1f} points [{low * 100:+.1f}, {high * 100:+.1f}])")
 
     out = ""
     setting_of = {"plain": "1", "distill": "2"}

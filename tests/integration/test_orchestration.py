@@ -185,17 +185,18 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
             # that restores the workspace afterwards: tests/integration/test_experiments.py; two runs at once take
             # too long for the suite).
             created = [prefect_rest(client, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-                            json={"parameters": {}})]
+                                    json={"parameters": {}})]
             deadline = time.time() + 840
             runs = [_wait(client, run["id"], deadline) for run in created]
-            task_runs = [prefect_rest(client, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+            task_runs = [prefect_rest(client, "POST", "/task_runs/filter",
+                                      json={"flow_runs": {"id": {"any_": [run["id"]]}}})
                          for run in runs]
             logs = "\n".join(_logs(client, run["id"]) for run in runs)
             # the promotion deployment takes an evaluation, not a metric: no caller can skip the gates. Prefect's
             # server accepts the request (it does not forbid extra parameters); the flow refuses it when it starts
             promotion = prefect_rest(client, "GET", "/deployments/name/icrl-promotion/promotion")
             refused = prefect_rest(client, "POST", f"/deployments/{promotion['id']}/create_flow_run",
-                           json={"parameters": {"adapter_dir": "artifacts/ppo/adapter", "metric": 1.0}})
+                                   json={"parameters": {"adapter_dir": "artifacts/ppo/adapter", "metric": 1.0}})
             refused = _wait(client, refused["id"], time.time() + 180)
         worker_log = (project / ".icrl" / "logs" / "prefect-worker.log").read_text(errors="replace")
         for run in runs:

@@ -391,6 +391,11 @@ class StreamConfig(Section):
     context as `context` selects them. `group_size` streams share a task and query order."""
 
     steps: Annotated[int, Field(ge=1, le=256, description="Queries per stream (T).")] = 16
+    burn_in: Annotated[int, Field(ge=0, le=1024, description="Queries answered before the `steps` trained ones "
+                                  "(R2D2's burn-in): the policy's answers and rewards join the context as in any "
+                                  "step, but these steps are neither scored nor credited, so the trained steps "
+                                  "see the context of a longer stream (the late steps of a 1000-step "
+                                  "evaluation) at the update cost of `steps`. ppo stage only.")] = 0
     group_size: Annotated[int, Field(ge=1, le=64, description="Streams per group (G): same task and query order, "
                                      "generated together; group objectives compare them.")] = 4
     groups: Annotated[int, Field(ge=1, description="Groups rolled out per iteration (split over data-parallel "
@@ -624,6 +629,9 @@ class DPOConfig(OptimFields):
         if self.mine_hindsight and self.stream.context.kind != "naive":
             raise ValueError("dpo.mine_hindsight renders each stream with every past attempt and its feedback "
                              "(the naive view): set dpo.stream.context.kind=naive")
+        if self.stream.burn_in:
+            raise ValueError("dpo.stream.burn_in: the mined streams render every step from its first query; "
+                             "burn_in is a ppo-stage option (ppo.stream.burn_in), set dpo.stream.burn_in=0")
         return self
 
 

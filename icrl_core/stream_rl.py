@@ -276,7 +276,8 @@ def stream_tasks(sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration
     """(group, task) of `groups` at `iteration` (0: validation), each task keyed by (seed, split, draw_key,
     group): what a rollout actor needs besides the policy (icrl_core/async_rollouts.py)."""
     key = draw_key(cfg, iteration)
-    return [(group, sample_stream_task(sources, data, cfg.stream.steps, seed, f"{split}-{key}-{group}", split))
+    queries = cfg.stream.burn_in + cfg.stream.steps
+    return [(group, sample_stream_task(sources, data, queries, seed, f"{split}-{key}-{group}", split))
             for group in groups]
 
 
@@ -328,7 +329,7 @@ def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConf
         for group, task in tasks:
             rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g) for g in range(cfg.stream.group_size)]
             streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context,
-                                        served, adapter)
+                                        served, adapter, cfg.stream.burn_in)
     return streams
 
 

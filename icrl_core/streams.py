@@ -143,6 +143,9 @@ class Stream:
     # query and answer up to its end of turn)
     sequences: list[list[int]]
     steps: list[StreamStep] = field(default_factory=list)
+    # the leading queries of task.queries answered before the steps (ppo.stream.burn_in): their episodes are in
+    # the steps' contexts, the steps are task.queries[burn_in:]
+    burn_in: int = 0
 
     @property
     def rewards(self) -> list[float]:
@@ -253,11 +256,15 @@ def _walk_engine(engine, adapter: str | None, prompts: Sequence[Sequence[int]], 
 @torch.no_grad()
 def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
                      group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None,
-                     engine=None, adapter: str | None = None) -> list[Stream]:
+                     engine=None, adapter: str | None = None, burn_in: int = 0) -> list[Stream]:
     """Run len(rngs) streams of `task` together: at each step render every stream's context (`context`: which
     past steps it shows; default naive, all of them) + query, walk the label trie deciding at each branching node
     with that stream's rng, reward the label, add the episode to its history. Naive streams share one KV cache in
     which each row only grows; explorative steps start a fresh one (their contexts are new subsets).
+
+    The first `burn_in` queries are answered the same way and their episodes join the histories, but they are
+    not steps of the returned streams (nothing of them is scored or credited): the steps see the context a
+    stream has after `burn_in` answers of its own (R2D2's burn-in), without paying the update for them.
 
     With `engine` (an InferenceEngine, `ppo.stream.engine: inference`) the answers are decoded by it instead,
     `adapter` naming the weights it serves (None: the engine's own, e.g. a torch engine around `policy`): the
@@ -265,6 +272,8 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     token sequences, rewards and decisions are recorded as above for the update, which `policy` computes."""
     if temperature <= 0:
         raise UserError("stream rollouts sample their answers: the temperature must be > 0")
+    if not 0 <= burn_in < len(task.queries):
+        raise UserError(f"burn_in={burn_in} leaves no step of a {len(task.queries)}-query stream to train on")
     context = context or NaiveStreamContext()
     policy.eval()
     tokens: Tokens = policy.tokens
@@ -293,7 +302,7 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             shared.append(len(context_ids))
             if len(prompt) + trie.max_depth > max_tokens:
                 raise UserError(f"a stream of {len(task.queries)} steps outgrows the {max_tokens}-token window at "
-                                f"step {t}: use fewer ppo.stream.steps")
+                                f"step {t}: use fewer ppo.stream.steps (or ppo.stream.burn_in)")
             if selectors is None:
                 if prompt[:len(fed[g])] != fed[g]:  # the chat rendering must be concatenative (chat.Conversation)
                     raise RuntimeError("a stream's context is not an extension of its previous context")
@@ -315,14 +324,16 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
             histories[g].append(record)
             if selectors is None:
-                steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g]))
+                if t >= burn_in:
+                    steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g]))
                 fed[g] = fed[g] + answer[g][:-1]  # the cache holds these; the end of turn comes with the next block
-            else:
-                steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g], sequence=t))
+            elif t >= burn_in:
+                steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g],
+                                           sequence=len(sequences[g])))
                 sequences[g].append(fed[g] + answer[g])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]
-    return [Stream(task, group, sequences[g], steps[g]) for g in range(n)]
+    return [Stream(task, group, sequences[g], steps[g], burn_in) for g in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,7 +361,8 @@ def path_logprob(trie: LabelTrie, scores: dict[int, np.ndarray], answer_ids: Seq
 @torch.no_grad()
 def teacher_logprobs(policy, streams: Sequence[Stream], temperature: float) -> torch.Tensor:
     """log pi_teacher(a_t) of every stream step (B, T), 0 past a stream's end: the policy's own weights shown the
-    TEACHER_VIEW of the stream's first t queries, then query t, scoring the label the stream answered there.
+    TEACHER_VIEW of every query before step t's (burned-in ones included), then its query, scoring the label the
+    stream answered there.
 
     The G streams of a group share the task and the query order, and the teacher's context holds gold labels
     only, so step t's teacher context is the same for the whole group: the label trie is scored once per group
@@ -370,8 +382,9 @@ def teacher_logprobs(policy, streams: Sequence[Stream], temperature: float) -> t
             task = streams[rows[0]].task
             trie = LabelTrie.build(candidate_sequences(tokens, task.template, list(task.labels)))
             golds = [EpisodeRecord(t, q.text, q.label, q.label, 1, 1) for t, q in enumerate(task.queries)]
+            first = streams[rows[0]].burn_in  # a group's streams share it: burned-in queries are not scored
             requests = []
-            for t, query in enumerate(task.queries):
+            for t, query in enumerate(task.queries[first:], start=first):
                 context, user_open = render_context(tokens, task.template, golds[:t], TEACHER_VIEW)
                 prompt = tuple(context) + tuple(render_query(tokens, task.template, query.text, user_open))
                 requests.append(TrieRequest(prompt, trie, shared_length=len(context)))

@@ -102,6 +102,27 @@ def test_explorative_context_streams_train_with_their_own_rows(policy, kind):
     assert all(torch.isfinite(v).all() for v in after.values())
 
 
+def test_burned_in_streams_train_on_their_last_steps_only(policy):
+    """ppo.stream.burn_in: each task has burn_in + steps queries, the update sees `steps` steps per stream (with
+    the burned-in answers in their contexts) and moves the adapter; the statistics count the trained steps."""
+    from icrl_core.stream_rl import stream_tasks
+
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, epochs=1, minibatch_size=3, batch_size=6,
+                    stream={"steps": 3, "burn_in": 5, "group_size": 3, "groups": 2,
+                            "context": {"kind": "explorative", "p_keep": 0.7}},
+                    learning_rate=1e-2, kl_beta=0.05, temperature=1.0)
+    sources = resolve_sources(DATA, 0)
+    assert all(len(task.queries) == 8 for _, task in stream_tasks(sources, DATA, cfg, 0, 1, range(2), "train"))
+    fresh(policy)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, sources, DATA, cfg, cfg.kl_beta, 0, 1,
+                          iteration_generator(0, 1), 2048)
+    assert metrics["action_tokens"] >= 6 * 3 and math.isfinite(metrics["loss"])
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_context_distillation_shapes_the_reward_with_the_teacher(policy):
     """ppo.distill: the teacher pass runs, the advantages come from the distillation reward, the task accuracy
     stays the task's, and the update moves the adapter."""

@@ -321,3 +321,64 @@ def test_streams_through_the_torch_engine_equal_the_direct_rollout(policy, task,
             assert [(d.position, d.candidates, d.chosen) for d in x.decisions] == \
                 [(d.position, d.candidates, d.chosen) for d in y.decisions]
             assert np.allclose([d.logp for d in x.decisions], [d.logp for d in y.decisions], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Burn-in (ppo.stream.burn_in): the first queries answered into the context, not trained
+
+BURN_IN = 2
+
+
+@pytest.mark.parametrize("context", [None, EXPLORATIVE], ids=["naive", "explorative"])
+def test_a_burned_in_stream_is_the_tail_of_the_whole_stream(policy, task, context):
+    """The same draws with burn_in k: the first k answers are made as in the whole stream (same decoding draws,
+    same context draws), so the steps are the whole stream's steps k.. with the same contexts, answers and
+    log-probs, and the collated batch scores exactly those steps."""
+    def rngs():
+        return [stream_rng(0, 3, 0, g) for g in range(2)]
+
+    whole = generate_streams(policy, task, rngs(), temperature=1.5, context=context)
+    burned = generate_streams(policy, task, rngs(), temperature=1.5, context=context, burn_in=BURN_IN)
+    for full, tail in zip(whole, burned):
+        assert tail.burn_in == BURN_IN and len(tail.steps) == STEPS - BURN_IN
+        assert [s.record for s in tail.steps] == [s.record for s in full.steps[BURN_IN:]]
+        for t, step in enumerate(tail.steps):
+            assert tail.context_ids(t) == full.context_ids(BURN_IN + t)
+            assert step.answer_ids == full.steps[BURN_IN + t].answer_ids
+            assert step.logp == pytest.approx(full.steps[BURN_IN + t].logp, abs=1e-4)
+        if context is None:  # naive: one sequence, the whole stream's, burned-in answers included
+            assert tail.input_ids == full.input_ids
+        else:  # explorative: only the trained steps have rows
+            assert tail.sequences == full.sequences[BURN_IN:]
+    batch = collate_streams(burned, policy.tokenizer.pad_token_id)
+    assert batch.rewards.shape == (2, STEPS - BURN_IN)
+    assert batch.rewards.tolist() == [[s.reward for s in full.steps[BURN_IN:]] for full in whole]
+    with torch.no_grad():
+        logp, _, _ = stream_outputs(policy, batch, temperature=1.5, with_values=False)
+    mask = batch.action_mask
+    assert mask.sum() == sum(len(s.decisions) for st in burned for s in st.steps) > 0
+    assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
+
+
+def test_the_teacher_of_a_burned_in_stream_scores_its_steps_after_every_earlier_gold_label(policy, task, streams):
+    burned = generate_streams(policy, task, [stream_rng(0, 1, 0, g) for g in range(3)], temperature=1.0,
+                              burn_in=BURN_IN)
+    assert [[s.record for s in b.steps] for b in burned] == [[s.record for s in w.steps[BURN_IN:]] for w in streams]
+    whole = teacher_logprobs(policy, streams, temperature=1.0)
+    tail = teacher_logprobs(policy, burned, temperature=1.0)
+    assert tail.shape == (3, STEPS - BURN_IN)
+    assert torch.allclose(tail, whole[:, BURN_IN:], atol=1e-5)
+
+
+def test_burn_in_must_leave_a_step_and_is_a_ppo_stage_option(policy, task):
+    from pydantic import ValidationError
+
+    from icrl_core.config import DPOConfig, StreamConfig
+    from icrl_core.errors import UserError
+
+    with pytest.raises(UserError, match="leaves no step"):
+        generate_streams(policy, task, [stream_rng(0, 1, 0, 0)], temperature=1.0, burn_in=STEPS)
+    with pytest.raises(ValidationError, match="burn_in is a ppo-stage option"):
+        DPOConfig(stream=StreamConfig(burn_in=4))
+    with pytest.raises(ValidationError):
+        StreamConfig(burn_in=-1)

@@ -48,6 +48,7 @@ from icrl_core.icrl_eval import (
     Show,
     candidate_sequences,
     child_distribution,
+    max_context_examples,
     render_context,
     render_query,
     sample_child,
@@ -55,7 +56,7 @@ from icrl_core.icrl_eval import (
 from icrl_core.kernels import ROOT, LabelTrie
 from icrl_core.prompting import PromptTemplate
 from icrl_core.rollout import BatchedCache
-from icrl_core.task_data import Example
+from icrl_core.task_data import ClassificationTask, Example
 
 # What the policy sees of its past steps: the harness's in-context RL view (system prompt with the feedback
 # sentence, its own answers, the feedback turn after each).
@@ -253,6 +254,15 @@ def _walk_engine(engine, adapter: str | None, prompts: Sequence[Sequence[int]], 
     return answers, decisions, leaves
 
 
+def explorative_max_examples(tokens: Tokens, task: StreamTask, window: int) -> int:
+    """How many episodes an explorative step of `task` may show: the harness's cap
+    (`icrl_eval.max_context_examples`: the longest queries answered with the longest label and followed by the
+    longer feedback, plus the longest query and answer, fit `window` tokens) over the stream's own queries, and
+    never more than its queries. Streams whose kept episodes never reach it (12 queries) are not affected."""
+    own = ClassificationTask(task.name, list(task.labels), list(task.queries), [], task.template)
+    return min(len(task.queries), max_context_examples(own, tokens, STREAM_VIEW, window))
+
+
 @torch.no_grad()
 def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
                      group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None,
@@ -283,8 +293,10 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     head = policy.causal_lm.lm_head
     n = len(rngs)
     max_tokens = max_tokens or policy.context_window
-    # explorative: each stream's context draws come from its own rng (drawn once, before its decoding draws)
-    selectors = ([Explorative(max_examples=len(task.queries), seed=int(rng.integers(2**31)), p_keep=context.p_keep)
+    # explorative: each stream's context draws come from its own rng (drawn once, before its decoding draws); at
+    # most the harness's window cap of episodes, so a long (burned-in) stream's contexts always fit
+    cap = explorative_max_examples(tokens, task, max_tokens) if context.kind == "explorative" else 0
+    selectors = ([Explorative(max_examples=cap, seed=int(rng.integers(2**31)), p_keep=context.p_keep)
                   for rng in rngs] if context.kind == "explorative" else None)
     # explorative: a fresh one per step; with an engine, the engine keeps its own caches
     cache = BatchedCache(policy, n) if selectors is None and engine is None else None

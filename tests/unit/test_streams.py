@@ -382,3 +382,29 @@ def test_burn_in_must_leave_a_step_and_is_a_ppo_stage_option(policy, task):
         DPOConfig(stream=StreamConfig(burn_in=4))
     with pytest.raises(ValidationError):
         StreamConfig(burn_in=-1)
+
+
+def test_explorative_contexts_keep_the_harness_window_cap(policy, task):
+    """An explorative step shows at most the harness's cap of episodes for the window (icrl_eval's
+    max_context_examples over the stream's queries), so a long stream fits a small window where showing every
+    kept episode would not; with room for all of them the cap is the stream's length (nothing changes)."""
+    from icrl_core.streams import explorative_max_examples
+
+    assert explorative_max_examples(policy.tokens, task, 2048) == STEPS
+    keep_all = ExplorativeStreamContext(p_keep=1.0)
+    rngs = [stream_rng(0, 4, 0, g) for g in range(2)]
+    uncapped = generate_streams(policy, task, rngs, temperature=1.0, context=keep_all, max_tokens=4096)
+    longest = max(len(st.context_ids(t)) for st in uncapped for t in range(STEPS))
+    window = longest - 8  # the longest context no longer fits
+    cap = explorative_max_examples(policy.tokens, task, window)
+    assert 0 < cap < STEPS
+
+    def shown(stream, t):  # episodes in a step's context: each kept (rewarded) one ends with this feedback
+        return policy.tokens.decode(stream.context_ids(t)).count("is the correct answer")
+
+    assert max(shown(st, t) for st in uncapped for t in range(STEPS)) > cap
+    capped = generate_streams(policy, task, [stream_rng(0, 4, 0, g) for g in range(2)], temperature=1.0,
+                              context=keep_all, max_tokens=window, burn_in=1)
+    for stream in capped:
+        for t in range(len(stream.steps)):
+            assert shown(stream, t) <= cap and len(stream.context_ids(t)) < window

@@ -396,6 +396,10 @@ class StreamConfig(Section):
                                   "step, but these steps are neither scored nor credited, so the trained steps "
                                   "see the context of a longer stream (the late steps of a 1000-step "
                                   "evaluation) at the update cost of `steps`. ppo stage only.")] = 0
+    shared_burn_in: Annotated[bool, Field(description="With burn_in: the group's first stream alone answers the "
+                                          "burn-in queries and every stream of the group branches from that one "
+                                          "history at the first trained step (the burn-in decoded once per group; "
+                                          "the group baseline compares answers from the same context).")] = False
     group_size: Annotated[int, Field(ge=1, le=64, description="Streams per group (G): same task and query order, "
                                      "generated together; group objectives compare them.")] = 4
     groups: Annotated[int, Field(ge=1, description="Groups rolled out per iteration (split over data-parallel "

@@ -266,7 +266,8 @@ def explorative_max_examples(tokens: Tokens, task: StreamTask, window: int) -> i
 @torch.no_grad()
 def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
                      group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None,
-                     engine=None, adapter: str | None = None, burn_in: int = 0) -> list[Stream]:
+                     engine=None, adapter: str | None = None, burn_in: int = 0,
+                     shared_burn_in: bool = False) -> list[Stream]:
     """Run len(rngs) streams of `task` together: at each step render every stream's context (`context`: which
     past steps it shows; default naive, all of them) + query, walk the label trie deciding at each branching node
     with that stream's rng, reward the label, add the episode to its history. Naive streams share one KV cache in
@@ -274,7 +275,10 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
 
     The first `burn_in` queries are answered the same way and their episodes join the histories, but they are
     not steps of the returned streams (nothing of them is scored or credited): the steps see the context a
-    stream has after `burn_in` answers of its own (R2D2's burn-in), without paying the update for them.
+    stream has after `burn_in` answers of its own (R2D2's burn-in), without paying the update for them. With
+    `shared_burn_in` only the first stream answers them (its draws), and every stream branches from that one
+    history at the first trained step: the burn-in is decoded once, and the streams' steps start from the same
+    context, so a group baseline compares their answers from the same state.
 
     With `engine` (an InferenceEngine, `ppo.stream.engine: inference`) the answers are decoded by it instead,
     `adapter` naming the weights it serves (None: the engine's own, e.g. a torch engine around `policy`): the
@@ -298,15 +302,20 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     cap = explorative_max_examples(tokens, task, max_tokens) if context.kind == "explorative" else 0
     selectors = ([Explorative(max_examples=cap, seed=int(rng.integers(2**31)), p_keep=context.p_keep)
                   for rng in rngs] if context.kind == "explorative" else None)
-    # explorative: a fresh one per step; with an engine, the engine keeps its own caches
-    cache = BatchedCache(policy, n) if selectors is None and engine is None else None
     histories: list[list[EpisodeRecord]] = [[] for _ in range(n)]
     fed: list[list[int]] = [[] for _ in range(n)]
     sequences: list[list[list[int]]] = [[] for _ in range(n)]
     steps: list[list[StreamStep]] = [[] for _ in range(n)]
+    cache = None  # naive: one cache whose rows only grow (explorative: a fresh one per step; an engine: its own)
     for t, example in enumerate(task.queries):
+        rows = [0] if shared_burn_in and t < burn_in else list(range(n))  # the streams decoding step t
+        if shared_burn_in and t == burn_in and t > 0:  # branch: every stream from the first one's history
+            histories = [list(histories[0]) for _ in range(n)]
+            fed, cache = [[] for _ in range(n)], None  # naive: each row prefills the shared context once
+        if cache is None and selectors is None and engine is None:
+            cache = BatchedCache(policy, len(rows))
         news, shared = [], []
-        for g in range(n):
+        for g in rows:
             shown = (histories[g] if selectors is None
                      else [histories[g][i] for i in selectors[g].select(histories[g], t)])
             context_ids, user_open = render_context(tokens, template, shown, STREAM_VIEW)
@@ -322,27 +331,29 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             else:
                 news.append(prompt)
             fed[g] = prompt
-        starts = [len(ids) for ids in fed]
+        prompts = [fed[g] for g in rows]
+        row_rngs = [rngs[g] for g in rows]
+        starts = [len(ids) for ids in prompts]
         if engine is not None:
-            answer, decisions, leaf = _walk_engine(engine, adapter, fed, shared, trie, rngs, temperature)
+            answer, decisions, leaf = _walk_engine(engine, adapter, prompts, shared, trie, row_rngs, temperature)
         else:
             if selectors is not None:
-                cache = BatchedCache(policy, n)
-            hidden = cache.feed(news, logits=False)                   # (n, H): every row fed its prompt
-            answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, rngs, temperature, starts)
-        for g in range(n):
-            label = labels[trie.label_of_leaf[leaf[g]]]
+                cache = BatchedCache(policy, len(rows))
+            hidden = cache.feed(news, logits=False)                   # (rows, H): every row fed its prompt
+            answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, row_rngs, temperature, starts)
+        for i, g in enumerate(rows):
+            label = labels[trie.label_of_leaf[leaf[i]]]
             reward = int(label == example.label)
             record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
             histories[g].append(record)
             if selectors is None:
                 if t >= burn_in:
-                    steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g]))
-                fed[g] = fed[g] + answer[g][:-1]  # the cache holds these; the end of turn comes with the next block
+                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i]))
+                fed[g] = fed[g] + answer[i][:-1]  # the cache holds these; the end of turn comes with the next block
             elif t >= burn_in:
-                steps[g].append(StreamStep(record, starts[g], tuple(answer[g]), decisions[g],
+                steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i],
                                            sequence=len(sequences[g])))
-                sequences[g].append(fed[g] + answer[g])
+                sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]
     return [Stream(task, group, sequences[g], steps[g], burn_in) for g in range(n)]

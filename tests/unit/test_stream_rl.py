@@ -103,12 +103,12 @@ def test_explorative_context_streams_train_with_their_own_rows(policy, kind):
 
 
 def test_burned_in_streams_train_on_their_last_steps_only(policy):
-    """ppo.stream.burn_in: each task has burn_in + steps queries, the update sees `steps` steps per stream (with
-    the burned-in answers in their contexts) and moves the adapter; the statistics count the trained steps."""
+    """ppo.stream.burn_in (shared by the group): each task has burn_in + steps queries, the update sees `steps`
+    steps per stream (with the burned-in answers in their contexts) and moves the adapter."""
     from icrl_core.stream_rl import stream_tasks
 
     cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, epochs=1, minibatch_size=3, batch_size=6,
-                    stream={"steps": 3, "burn_in": 5, "group_size": 3, "groups": 2,
+                    stream={"steps": 3, "burn_in": 5, "shared_burn_in": True, "group_size": 3, "groups": 2,
                             "context": {"kind": "explorative", "p_keep": 0.7}},
                     learning_rate=1e-2, kl_beta=0.05, temperature=1.0)
     sources = resolve_sources(DATA, 0)

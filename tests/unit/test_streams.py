@@ -360,6 +360,30 @@ def test_a_burned_in_stream_is_the_tail_of_the_whole_stream(policy, task, contex
     assert torch.allclose(logp[mask], batch.behaviour_logp[mask], atol=1e-4)
 
 
+@pytest.mark.parametrize("context", [None, ExplorativeStreamContext(p_keep=1.0)], ids=["naive", "explorative"])
+def test_a_shared_burn_in_is_the_first_streams_and_every_stream_branches_from_it(policy, task, context):
+    """shared_burn_in: the first stream is the stream it would be alone (the burn-in is its own, by its draws);
+    every stream's first trained step starts from its history (here: every past episode shown, so the same
+    context), and the streams go their own ways after it."""
+    def rngs():
+        return [stream_rng(0, 7, 0, g) for g in range(3)]
+
+    burn_in = STEPS - 2
+    alone = generate_streams(policy, task, rngs()[:1], temperature=1.5, context=context, burn_in=burn_in)[0]
+    branched = generate_streams(policy, task, rngs(), temperature=1.5, context=context, burn_in=burn_in,
+                                shared_burn_in=True)
+    assert [s.record for s in branched[0].steps] == [s.record for s in alone.steps]
+    assert all(len(b.steps) == STEPS - burn_in and b.burn_in == burn_in for b in branched)
+    assert all(b.context_ids(0) == alone.context_ids(0) for b in branched)
+    assert "correct answer" in policy.tokens.decode(alone.context_ids(0))  # the burn-in is in it
+    assert len({tuple(s.record.prediction for s in b.steps) for b in branched}) > 1 or \
+        len({tuple(b.context_ids(1)) for b in branched}) > 1
+    batch = collate_streams(branched, policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _, _ = stream_outputs(policy, batch, temperature=1.5, with_values=False)
+    assert torch.allclose(logp[batch.action_mask], batch.behaviour_logp[batch.action_mask], atol=1e-4)
+
+
 def test_the_teacher_of_a_burned_in_stream_scores_its_steps_after_every_earlier_gold_label(policy, task, streams):
     burned = generate_streams(policy, task, [stream_rng(0, 1, 0, g) for g in range(3)], temperature=1.0,
                               burn_in=BURN_IN)

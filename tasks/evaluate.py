@@ -19,6 +19,7 @@ headline), an MLflow run.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tasks.runtime import content_key
@@ -504,8 +505,8 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
     forgetting measurements (`general_ability` of the stage `config`) of each model in `ability_adapters` (None:
     the base model). A run whose `result_key` is stored is reused (when `reuse`); the others run in their work
     folders (`work_config`), continuing from the log a killed stage left there, in `run_order`. Runs and
-    measurements share one pool (measurements last, so they overlap the longest runs' tails); each finished run
-    is stored at once."""
+    measurements share one pool (measurements last, so they overlap the longest runs' tails; a single run and
+    its measurements run in turn, `pool_workers`); each finished run is stored at once."""
     import shutil
 
     from tasks.icrl_eval import run_dir_for
@@ -545,13 +546,21 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
             jobs.append((_ability_job, {"config_json": config.model_dump(mode="json"),
                                         "adapter": str(adapter) if adapter else None}))
             owners.append(("ability", j))
-    for index, result in in_pool(jobs, workers):
+    for index, result in in_pool(jobs, pool_workers([kind for kind, _ in owners], workers)):
         kind, i = owners[index]
         if kind == "run":
             results[i] = keep(i, Path(result["run_dir"]))
         else:
             abilities[i] = result
     return results, resumed, abilities
+
+
+def pool_workers(kinds: Sequence[str], workers: int) -> int:
+    """How many processes the stage's jobs (each "run" or "ability") get: `workers`, except that a single run
+    with measurements beside it gets the whole machine and the measurements run in turn: in a pool it would keep
+    cpu_count / workers threads for its whole length after the short measurements end (a 1000-step naive run:
+    4.8 s per step on one thread of two cores, 2.5-3.0 on both)."""
+    return 1 if sum(kind == "run" for kind in kinds) == 1 else workers
 
 
 def _follow_adapter(work_dir: Path, work_run: PipelineConfig) -> None:

@@ -1,5 +1,5 @@
 """The evaluate stage's parts: per-strategy settings, the promotion gates (held-out gain, gain over the model's
-own zero-shot, forgetting), the order runs start in, result keys by adapter bytes, and a bad feedback-probe label
+own zero-shot, forgetting), the order runs start in, how many processes the jobs get, result keys by adapter bytes, and a bad feedback-probe label
 refused before any run.
 Evaluation runs (process pool, streams, resume, reuse): tests/integration/test_evaluate_stage.py."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from icrl_core.config import EvaluateConfig
-from tasks.evaluate import _eval_config, gates, run_order
+from tasks.evaluate import _eval_config, gates, pool_workers, run_order
 from tasks.settings import load_config
 
 
@@ -41,6 +41,14 @@ def test_the_trained_adapters_runs_start_before_the_base_models():
     assert [jobs[i][:2] for i in run_order(configs)] == [
         ("explorative", "trained"), ("explorative", "start"), ("naive", "trained"), ("naive", "start"),
         ("explorative", "base"), ("naive", "base")]
+
+
+def test_a_single_run_gets_the_whole_machine_and_its_measurements_run_in_turn():
+    assert pool_workers(["run", "ability", "ability"], 2) == 1
+    assert pool_workers(["run"], 2) == 1
+    assert pool_workers(["run", "run", "ability"], 2) == 2  # runs side by side, one thread each
+    assert pool_workers(["ability", "ability"], 2) == 2
+    assert pool_workers(["run", "run", "run"], 1) == 1
 
 
 def test_promotion_gates():

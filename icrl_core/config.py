@@ -420,6 +420,14 @@ class StreamConfig(Section):
                     "saved for each rollout). The update always runs on the policy. Synchronous rollouts of the "
                     "ppo stage (not async_rollouts, not the dpo stage's mined streams).")] = "policy"
 
+    @model_validator(mode="after")
+    def _shared_burn_in_needs_a_burn_in(self) -> StreamConfig:
+        # without burn-in queries there is nothing to share: the option would be silently ignored
+        if self.shared_burn_in and not self.burn_in:
+            raise ValueError("shared_burn_in=true shares the burn-in queries of a group, and burn_in is 0: set "
+                             "burn_in to the queries answered before the trained steps, or shared_burn_in=false")
+        return self
+
 
 class AsyncRollouts(Section):
     """Asynchronous stream rollouts (ppo.mode=stream; docs/ASYNC.md): Ray actors generate the streams of the next

@@ -304,6 +304,14 @@ def test_group_objectives_need_stream_rollouts():
                     environ={})
 
 
+def test_a_shared_burn_in_needs_burn_in_queries():
+    with pytest.raises(ConfigError, match=r"ppo.stream: shared_burn_in=true shares the burn-in queries .* burn_in "
+                                          r"is 0"):
+        load_config(None, ["ppo.stream.shared_burn_in=true"], environ={})
+    cfg = load_config(None, ["ppo.stream={burn_in: 8, shared_burn_in: true}"], environ={})
+    assert cfg.ppo.stream.burn_in == 8 and cfg.ppo.stream.shared_burn_in
+
+
 def test_stream_context_is_a_variant_and_hindsight_couples_need_the_naive_view():
     cfg = load_config(None, ["ppo.mode=stream", "ppo.stream.context={kind: explorative, p_keep: 0.3}"], environ={})
     assert cfg.ppo.stream.context.kind == "explorative" and cfg.ppo.stream.context.p_keep == 0.3

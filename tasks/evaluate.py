@@ -506,7 +506,7 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
     the base model). A run whose `result_key` is stored is reused (when `reuse`); the others run in their work
     folders (`work_config`), continuing from the log a killed stage left there, in `run_order`. Runs and
     measurements share one pool (measurements last, so they overlap the longest runs' tails; a single run and
-    its measurements run in turn, `pool_workers`); each finished run is stored at once."""
+    its measurements run in turn, `pool_waves`); each finished run is stored at once."""
     import shutil
 
     from tasks.icrl_eval import run_dir_for
@@ -546,21 +546,28 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
             jobs.append((_ability_job, {"config_json": config.model_dump(mode="json"),
                                         "adapter": str(adapter) if adapter else None}))
             owners.append(("ability", j))
-    for index, result in in_pool(jobs, pool_workers([kind for kind, _ in owners], workers)):
-        kind, i = owners[index]
-        if kind == "run":
-            results[i] = keep(i, Path(result["run_dir"]))
-        else:
-            abilities[i] = result
+    for wave, wave_workers in pool_waves([kind for kind, _ in owners], workers):
+        for index, result in in_pool([jobs[j] for j in wave], wave_workers):
+            kind, i = owners[wave[index]]
+            if kind == "run":
+                results[i] = keep(i, Path(result["run_dir"]))
+            else:
+                abilities[i] = result
     return results, resumed, abilities
 
 
-def pool_workers(kinds: Sequence[str], workers: int) -> int:
-    """How many processes the stage's jobs (each "run" or "ability") get: `workers`, except that a single run
-    with measurements beside it gets the whole machine and the measurements run in turn: in a pool it would keep
-    cpu_count / workers threads for its whole length after the short measurements end (a 1000-step naive run:
-    4.8 s per step on one thread of two cores, 2.5-3.0 on both)."""
-    return 1 if sum(kind == "run" for kind in kinds) == 1 else workers
+def pool_waves(kinds: Sequence[str], workers: int) -> list[tuple[list[int], int]]:
+    """The stage's jobs (each "run" or "ability", in start order) as waves, each (job indices, processes), run one
+    after another. A process keeps its cpu_count / workers torch threads for its whole run, so a run started
+    beside another keeps one thread of two cores after the other ends (a 1000-step naive run: 4.8 s per step on
+    one thread, 2.5-3.0 on both). So the runs go `workers` at a time, the measurements with the last ones; a wave
+    with a single run gives it the whole machine and its measurements run in turn. Three runs on two cores: two
+    side by side, then the third on both cores (about 40 minutes sooner than on the one thread a shared pool
+    leaves it). A wave waits for its slowest run."""
+    runs = [j for j, kind in enumerate(kinds) if kind == "run"]
+    waves = [runs[start:start + workers] for start in range(0, len(runs), max(workers, 1))] or [[]]
+    waves[-1] = waves[-1] + [j for j, kind in enumerate(kinds) if kind != "run"]
+    return [(wave, 1 if sum(kinds[j] == "run" for j in wave) == 1 else workers) for wave in waves if wave]
 
 
 def _follow_adapter(work_dir: Path, work_run: PipelineConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from icrl_core.config import EvaluateConfig
-from tasks.evaluate import _eval_config, gates, pool_workers, run_order
+from tasks.evaluate import _eval_config, gates, pool_waves, run_order
 from tasks.settings import load_config
 
 
@@ -43,12 +43,17 @@ def test_the_trained_adapters_runs_start_before_the_base_models():
         ("explorative", "base"), ("naive", "base")]
 
 
-def test_a_single_run_gets_the_whole_machine_and_its_measurements_run_in_turn():
-    assert pool_workers(["run", "ability", "ability"], 2) == 1
-    assert pool_workers(["run"], 2) == 1
-    assert pool_workers(["run", "run", "ability"], 2) == 2  # runs side by side, one thread each
-    assert pool_workers(["ability", "ability"], 2) == 2
-    assert pool_workers(["run", "run", "run"], 1) == 1
+def test_runs_go_in_waves_of_workers_and_a_lone_run_gets_the_whole_machine():
+    """(job indices, processes) per wave: a lone run's measurements run in turn after it; a third run on two
+    workers waits for the first two and then has both cores, instead of one thread for its whole length."""
+    assert pool_waves(["run", "ability", "ability"], 2) == [([0, 1, 2], 1)]
+    assert pool_waves(["run"], 2) == [([0], 1)]
+    assert pool_waves(["run", "run", "ability"], 2) == [([0, 1, 2], 2)]  # runs side by side, one thread each
+    assert pool_waves(["ability", "ability"], 2) == [([0, 1], 2)]
+    assert pool_waves(["run", "run", "run", "ability"], 2) == [([0, 1], 2), ([2, 3], 1)]
+    assert pool_waves(["run", "run", "run", "run"], 2) == [([0, 1], 2), ([2, 3], 2)]
+    assert pool_waves(["run", "run", "run"], 1) == [([0], 1), ([1], 1), ([2], 1)]
+    assert pool_waves([], 2) == []
 
 
 def test_promotion_gates():

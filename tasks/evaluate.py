@@ -504,9 +504,8 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
     """The finished runs of `configs` (each copied into its own run folder), how many were resumed, and the
     forgetting measurements (`general_ability` of the stage `config`) of each model in `ability_adapters` (None:
     the base model). A run whose `result_key` is stored is reused (when `reuse`); the others run in their work
-    folders (`work_config`), continuing from the log a killed stage left there, in `run_order`. Runs and
-    measurements share one pool (measurements last, so they overlap the longest runs' tails; a single run and
-    its measurements run in turn, `pool_waves`); each finished run is stored at once."""
+    folders (`work_config`), continuing from the log a killed stage left there, in `run_order`, `workers` at a
+    time with the measurements after the last ones (`pool_waves`); each finished run is stored at once."""
     import shutil
 
     from tasks.icrl_eval import run_dir_for
@@ -565,7 +564,7 @@ def pool_waves(kinds: Sequence[str], workers: int) -> list[tuple[list[int], int]
     side by side, then the third on both cores (about 40 minutes sooner than on the one thread a shared pool
     leaves it). A wave waits for its slowest run."""
     runs = [j for j, kind in enumerate(kinds) if kind == "run"]
-    waves = [runs[start:start + workers] for start in range(0, len(runs), max(workers, 1))] or [[]]
+    waves = [runs[start:start + workers] for start in range(0, len(runs), workers)] or [[]]
     waves[-1] = waves[-1] + [j for j, kind in enumerate(kinds) if kind != "run"]
     return [(wave, 1 if sum(kinds[j] == "run" for j in wave) == 1 else workers) for wave in waves if wave]
 

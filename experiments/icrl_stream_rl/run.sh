@@ -9,6 +9,9 @@
 #                 (100, 101, 102), strategy STRATEGY only, into artifacts/gate2_s15/seedSEED-STRATEGY, the
 #                 adapter restored from adapters/explorative_streams (collect_gate2.py --seed SEED=FOLDER per part)
 #   s15-forgetting  setting 15's gate 3 with the greedy check (addenda 14, 19): runs/s15/forgetting.json
+#   s16           setting 16 (addendum 29): setting 15 with 60 burned-in queries per stream, then gate E16 (seed 7,
+#                 explorative, 1000 steps) and its probe
+#   s16-gate2-SEED-STRATEGY, s16-forgetting  as for s15, for setting 16 (only if gate E16 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
@@ -62,7 +65,8 @@ PARKED=$E/checkpoints
 declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs/s15/probe.json
                   [ablation_ppo]=runs/ablation-ppo/probe.json [ablation_grpo]=runs/ablation-grpo/probe.json
                   [ablation_rloo]=runs/ablation-rloo/probe.json [ablation_dpo_rank]=runs/ablation-dpo_rank/probe.json
-                  [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json)
+                  [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json
+                  [burn_in_streams]=runs/s16/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -147,7 +151,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by
 }
 
 for target in "$@"; do
-    case "$target" in s14|s15|s15-*|ablation-*|cd-*) unpark ;; esac
+    case "$target" in s14|s15|s15-*|s16|s16-*|ablation-*|cd-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -178,6 +182,23 @@ for target in "$@"; do
         s15-forgetting)
             restore_kept explorative_streams artifacts/explorative_streams/adapter || exit 1
             forgetting artifacts/explorative_streams/adapter runs/s15/forgetting.json ;;
+        s16)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained burn_in_streams || step s16 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml
+            step "gate E16" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml
+            probe artifacts/burn_in_streams/adapter runs/s16/probe.json ;;
+        s16-gate2-*)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
+            part=${target#s16-gate2-}
+            seed=${part%%-*} strategy=${part#*-}
+            step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
+                --set evaluate.adapter=artifacts/burn_in_streams/adapter --set "evaluate.strategies=[$strategy]" \
+                --set "evaluate.output_dir=artifacts/gate2_s16/seed$seed-$strategy" ;;
+        s16-forgetting)
+            restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
+            forgetting artifacts/burn_in_streams/adapter runs/s16/forgetting.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -210,6 +231,7 @@ for target in "$@"; do
             park ;;
         *)
             echo "run.sh: unknown target '$target' (bootstrap, s14, s15, s15-gate2-SEED-STRATEGY, s15-forgetting," \
+                 "s16, s16-gate2-SEED-STRATEGY, s16-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, park)" >&2
             exit 2 ;;
     esac

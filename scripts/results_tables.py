@@ -605,6 +605,30 @@ def stream_rl_gate2() -> str:
             + "\n" + "\n".join(f"- {n}" for n in notes) + "\n")
 
 
+def stream_rl_gate_e() -> str:
+    """The development gates E of experiments/icrl_stream_rl (collect_gate_e.py): explorative test accuracy on
+    trec_coarse at the development seed of the RL adapter, the bootstrap it started from and the base model, and
+    each setting's pre-registered rule."""
+    results = _json("experiments/icrl_stream_rl/results.json").get("gate_e", {})
+    rows = []
+    for setting, gate in results.items():
+        runs = {m: gate["runs"].get(f"{m}-explorative") for m in ("base", "start", "trained")}
+        curves = []
+        for run in runs.values():
+            steps = sorted(run["test_accuracy"], key=int) if run else []
+            curves.append(" / ".join(_fmt(run["test_accuracy"][s], 3) for s in steps) if run else "")
+        reward = " / ".join(_fmt(r["train_accuracy"], 3) if r else "-" for r in runs.values())
+        d = gate["decision"]
+        rule = (f"test gain >= {_signed(d['min_test_gain'])}" if "min_test_gain" in d
+                else "stream reward gain >= +0.03 and test gain >= 0")  # setting 15's rule, collected before 16's
+        gains = (f"{_signed(d['test_gain'])} (stream reward {_signed(d['train_gain'])})" if "test_gain" in d else "")
+        rows.append([setting, str(gate["seed"]), *curves, reward, gains, f"{rule}: **{d['verdict']}**"])
+    if not rows:
+        return "No gate-E run is collected yet.\n"
+    return _table(["setting", "seed", "base (test accuracy at each test step)", "bootstrap (start)", "RL adapter",
+                   "training-stream reward base / start / RL", "RL - bootstrap at the last step", "rule"], rows)
+
+
 def stream_rl_learnability() -> str:
     """Addendum 6 of experiments/icrl_stream_rl: the hindsight-couple contrast on fixed couples (learnability.json)."""
     data = _json("experiments/icrl_stream_rl/learnability.json")
@@ -780,6 +804,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "bench-stream-update": bench_stream_update,
     "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-gate2": stream_rl_gate2,
+    "stream-rl-gate-e": stream_rl_gate_e,
     "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,
     "demo-summary": demo_summary,

@@ -1,11 +1,16 @@
-"""Collect gate E of setting 15 (PREREGISTERED.md, addendum 19) into results.json: the evaluate stage's explorative
-runs at the development seed (`gate_explorative.yaml`) of the RL adapter (`trained`) and the bootstrap it started
-from (`start`), their stream behaviour, and the pre-registered decision.
+"""Collect a development gate E (PREREGISTERED.md) into results.json: the evaluate stage's explorative runs at
+the development seed of the RL adapter (`trained`) and the bootstrap it started from (`start`), their stream
+behaviour, and the pre-registered decision of that setting's rule.
 
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 15 --folder artifacts/gate_explorative
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 16 --folder artifacts/gate_explorative_s16
 
-Rule (fixed before the runs): passes if the RL adapter's training-stream reward over the run (`train_accuracy`) is
-at least the bootstrap's + 0.03 AND its test accuracy at the last test step is at least the bootstrap's.
+Rules (each fixed before its runs):
+- setting 15 (addendum 19, `gate_explorative.yaml`, 500 steps): passes if the RL adapter's training-stream reward
+  over the run (`train_accuracy`) is at least the bootstrap's + 0.03 AND its test accuracy at the last test step is
+  at least the bootstrap's.
+- setting 16 (addendum 29, gate E16, `gate_explorative_long.yaml`, 1000 steps): passes if the RL adapter's test
+  accuracy at the last test step (999) is at least the bootstrap's + 0.05.
 """
 
 from __future__ import annotations
@@ -20,30 +25,34 @@ sys.path.insert(0, str(HERE))
 from collect import read_results, write_results
 from collect_gate2 import final, seed_row
 
-MIN_TRAIN_GAIN = 0.03
+# setting -> (least training-stream reward gain, least test-accuracy gain at the last test step); None: not a term
+RULES = {"15": (0.03, 0.0), "16": (None, 0.05)}
 
 
-def decision(runs: dict) -> dict:
-    """The two numbers of the rule and the verdict ('pending' until both runs are in)."""
+def decision(runs: dict, setting: str = "15") -> dict:
+    """The numbers of `setting`'s rule (RULES) and the verdict ('pending' until both runs are in)."""
+    min_train_gain, min_test_gain = RULES[setting]
     trained, start = runs.get("trained-explorative"), runs.get("start-explorative")
     if trained is None or start is None:
         return {"verdict": "pending"}
     train_gain = round(trained["train_accuracy"] - start["train_accuracy"], 4)
     test_gain = round(final(trained) - final(start), 4)
-    passed = train_gain >= MIN_TRAIN_GAIN - 1e-9 and test_gain >= -1e-9
-    return {"train_gain": train_gain, "test_gain": test_gain, "verdict": "passed" if passed else "failed"}
+    passed = test_gain >= min_test_gain - 1e-9 and (min_train_gain is None or train_gain >= min_train_gain - 1e-9)
+    return {"train_gain": train_gain, "test_gain": test_gain, "min_test_gain": min_test_gain,
+            "verdict": "passed" if passed else "failed"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--setting", required=True, help="the setting whose adapter the runs evaluated")
+    parser.add_argument("--setting", required=True, choices=sorted(RULES),
+                        help="the setting whose adapter the runs evaluated (its pre-registered rule)")
     parser.add_argument("--folder", type=Path, required=True, help="the evaluate stage's output folder")
     args = parser.parse_args()
     results = read_results()
     row = seed_row(args.folder)
     config = json.loads(next((args.folder / "runs").glob("*-explorative/config.json")).read_text())
     seed = config["icrl_eval"]["seed"]
-    results.setdefault("gate_e", {})[args.setting] = {"seed": seed, **row, "decision": decision(row["runs"])}
+    results.setdefault("gate_e", {})[args.setting] = {"seed": seed, **row, "decision": decision(row["runs"], args.setting)}
     write_results(results)
     d = results["gate_e"][args.setting]["decision"]
     print(f"setting {args.setting} gate E (seed {seed}): {d}")

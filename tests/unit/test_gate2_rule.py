@@ -72,6 +72,10 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.decision(runs(0.029, 0.10))["verdict"] == "failed"
     assert gate_e.decision({"start-explorative": runs(0, 0)["start-explorative"]})["verdict"] == "pending"
 
+    # setting 16's gate E16 (addendum 29): five points of test accuracy at the last step, the stream reward not a term
+    assert gate_e.decision(runs(-0.05, 0.05), "16")["verdict"] == "passed"
+    assert gate_e.decision(runs(0.10, 0.049), "16")["verdict"] == "failed"
+
 
 def test_a_seed_run_in_parts_is_one_seed():
     explorative = {"runs": {"trained-explorative": {"test_accuracy": {"999": 0.5}}}, "seconds": 100.0,

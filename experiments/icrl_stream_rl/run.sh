@@ -145,6 +145,17 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
     echo "== restored the kept adapter $kept -> $dest"
 }
 
+gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
+                # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
+    local part=${3#s$1-gate2-} adapter=artifacts/$2/adapter
+    local seed=${part%%-*} strategy=${part#*-}
+    restore_kept bootstrap_h32 artifacts/bootstrap/adapter || return 1
+    restore_kept "$2" "$adapter" || return 1
+    step "$3" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
+        --set "evaluate.adapter=$adapter" --set "evaluate.strategies=[$strategy]" \
+        --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
+}
+
 trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by unpark), so no training again
     [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] || return 1
     echo "== artifacts/$1/adapter is there: not trained again"
@@ -172,13 +183,7 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
-        s15-gate2-*)
-            restore_kept explorative_streams artifacts/explorative_streams/adapter || exit 1
-            part=${target#s15-gate2-}
-            seed=${part%%-*} strategy=${part#*-}
-            step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
-                --set evaluate.adapter=artifacts/explorative_streams/adapter --set "evaluate.strategies=[$strategy]" \
-                --set "evaluate.output_dir=artifacts/gate2_s15/seed$seed-$strategy" ;;
+        s15-gate2-*) gate2_part 15 explorative_streams "$target" || exit 1 ;;
         s15-forgetting)
             restore_kept explorative_streams artifacts/explorative_streams/adapter || exit 1
             forgetting artifacts/explorative_streams/adapter runs/s15/forgetting.json ;;
@@ -188,14 +193,7 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml
             step "gate E16" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml
             probe artifacts/burn_in_streams/adapter runs/s16/probe.json ;;
-        s16-gate2-*)
-            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
-            restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
-            part=${target#s16-gate2-}
-            seed=${part%%-*} strategy=${part#*-}
-            step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
-                --set evaluate.adapter=artifacts/burn_in_streams/adapter --set "evaluate.strategies=[$strategy]" \
-                --set "evaluate.output_dir=artifacts/gate2_s16/seed$seed-$strategy" ;;
+        s16-gate2-*) gate2_part 16 burn_in_streams "$target" || exit 1 ;;
         s16-forgetting)
             restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
             forgetting artifacts/burn_in_streams/adapter runs/s16/forgetting.json ;;

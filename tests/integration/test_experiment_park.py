@@ -115,15 +115,22 @@ def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(proj
     assert [call.split()[:2] for call in calls] == [["stage", "evaluate"], ["probe-feedback", "--task"]]
 
 
-def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strategy(project):
-    kept = project / "experiments" / "icrl_stream_rl" / "adapters" / "explorative_streams"
+def _kept(project: Path, name: str) -> Path:
+    """A kept adapter, adapters/NAME: two files, their SHA256SUMS and a README that is not copied."""
+    kept = project / "experiments" / "icrl_stream_rl" / "adapters" / name
     kept.mkdir(parents=True)
     sums = []
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        (kept / name).write_text(name)
-        sums.append(f"{hashlib.sha256(name.encode()).hexdigest()}  {name}")
+    for file in ("adapter_model.safetensors", "adapter_config.json"):
+        (kept / file).write_text(f"{name} {file}")
+        sums.append(f"{hashlib.sha256(f'{name} {file}'.encode()).hexdigest()}  {file}")
     (kept / "SHA256SUMS").write_text("\n".join(sums) + "\n")
     (kept / "README.md").write_text("not copied")
+    return kept
+
+
+def test_a_gate2_part_restores_the_kept_adapters_and_evaluates_one_seed_and_strategy(project):
+    kept = _kept(project, "explorative_streams")
+    _kept(project, "bootstrap_h32")  # the adapter the part compares with (evaluate.start_adapter)
 
     parked_log = project / PARKED / "evaluations" / "partial" / "k2" / "steps.jsonl"  # a part cut at a session's end
     parked_log.parent.mkdir(parents=True)
@@ -137,6 +144,8 @@ def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strat
     assert call.startswith("stage evaluate ") and "icrl_eval.seed=101" in call
     assert "evaluate.strategies=[explorative]" in call
     assert "evaluate.output_dir=artifacts/gate2_s15/seed101-explorative" in call
+    boot = project / "artifacts" / "bootstrap" / "adapter"
+    assert (boot / "adapter_config.json").read_text() == "bootstrap_h32 adapter_config.json"
 
     _run(project, "park")  # the restored kept adapter is not parked again: the repository holds it
     assert not (project / PARKED / "artifacts").exists()
@@ -148,3 +157,14 @@ def test_a_gate2_part_restores_the_kept_adapter_and_evaluates_one_seed_and_strat
                             text=True, check=False, timeout=60)
     assert failed.returncode == 1 and "does not match its SHA256SUMS" in failed.stderr
     assert not adapter.exists()
+
+
+def test_setting_16s_gate2_part_evaluates_its_own_adapter_into_its_own_folder(project):
+    _kept(project, "burn_in_streams")
+    _kept(project, "bootstrap_h32")
+    _run(project, "s16-gate2-102-naive")
+    (call,) = _calls(project)
+    assert "icrl_eval.seed=102" in call and "evaluate.strategies=[naive]" in call
+    assert "evaluate.adapter=artifacts/burn_in_streams/adapter" in call
+    assert "evaluate.output_dir=artifacts/gate2_s16/seed102-naive" in call
+    assert (project / "artifacts" / "burn_in_streams" / "adapter" / "adapter_model.safetensors").exists()

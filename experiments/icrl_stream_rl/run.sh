@@ -145,6 +145,9 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
     echo "== restored the kept adapter $kept -> $dest"
 }
 
+# The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
+declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams)
+
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
     local part=${3#s$1-gate2-} adapter=artifacts/$2/adapter
@@ -183,20 +186,19 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
-        s15-gate2-*) gate2_part 15 explorative_streams "$target" || exit 1 ;;
-        s15-forgetting)
-            restore_kept explorative_streams artifacts/explorative_streams/adapter || exit 1
-            forgetting artifacts/explorative_streams/adapter runs/s15/forgetting.json ;;
+        s1[56]-gate2-*)
+            setting=${target:1:2}
+            gate2_part "$setting" "${SETTING_OUTPUT[$setting]}" "$target" || exit 1 ;;
+        s1[56]-forgetting)
+            output=${SETTING_OUTPUT[${target:1:2}]}
+            restore_kept "$output" "artifacts/$output/adapter" || exit 1
+            forgetting "artifacts/$output/adapter" "runs/${target%-forgetting}/forgetting.json" ;;
         s16)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             trained burn_in_streams || step s16 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml
             step "gate E16" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml
             probe artifacts/burn_in_streams/adapter runs/s16/probe.json ;;
-        s16-gate2-*) gate2_part 16 burn_in_streams "$target" || exit 1 ;;
-        s16-forgetting)
-            restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
-            forgetting artifacts/burn_in_streams/adapter runs/s16/forgetting.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \

@@ -26,7 +26,7 @@ def test_hub_dataset_path_offline_via_save_to_disk(tmp_path, tasks_dir):
         "coarse_label": datasets.ClassLabel(names=["ABBR", "ENTY", "DESC", "HUM", "LOC", "NUM"]),
         "fine_label": datasets.ClassLabel(names=fine_names),
     })
-    rows = {"text": ["What does NASA stand for ?", "Who wrote Hamlet ?", "How far is the moon ?"],
+    rows = {"text": ["What does the acronym NASA mean here ?", "Who wrote Hamlet ?", "How far is the moon ?"],
             "coarse_label": [0, 3, 5], "fine_label": [1, 29, 40]}
     data = datasets.DatasetDict({split: datasets.Dataset.from_dict(rows, features=features)
                                  for split in ("train", "test")})

@@ -11,6 +11,7 @@ DEFAULT_PARAMS = Path("params.yaml")
 # `typer.Option(help=..., **INPUT_FOLDER)`. Files a command reads are read with icrl_core.io.read_user_text.
 INPUT_FILE = {"exists": True, "dir_okay": False}
 INPUT_FOLDER = {"exists": True, "file_okay": False}
+INPUT_PATH = {"exists": True}  # a file or a folder
 OUTPUT_FILE = {"dir_okay": False}
 OUTPUT_FOLDER = {"file_okay": False}
 

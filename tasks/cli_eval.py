@@ -1,5 +1,5 @@
 """CLI commands of the in-context RL evaluation harness: `icrl eval`, `icrl max-examples`, `icrl count-tokens`,
-`icrl inspect`, `icrl plot`, `icrl probe-feedback`, `icrl redact`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
+`icrl inspect`, `icrl plot`, `icrl probe-feedback`, `icrl redact`, `icrl check-text`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
 set any key."""
 
 import json
@@ -10,7 +10,16 @@ from typing import Annotated
 import typer
 
 from icrl_core.config import PAPER_STRATEGIES, STRATEGY_NAMES
-from tasks.cli_common import INPUT_FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, ParamsOpt, SetOpt, console, resolve_config
+from tasks.cli_common import (
+    INPUT_FOLDER,
+    INPUT_PATH,
+    OUTPUT_FILE,
+    OUTPUT_FOLDER,
+    ParamsOpt,
+    SetOpt,
+    console,
+    resolve_config,
+)
 
 Strategy = Enum("Strategy", {s: s for s in (*STRATEGY_NAMES, *PAPER_STRATEGIES)}, type=str)  # the config maps the
 # paper's names (icrl_core.config.PAPER_STRATEGIES) to the project's
@@ -323,6 +332,34 @@ def register(app: typer.Typer) -> None:
 
         count = redact_runs(source, dest)
         console().print(f"wrote {dest}: {count} step log(s) without query text")
+
+    @app.command("check-text")
+    def check_text_command(
+        paths: Annotated[list[Path], typer.Argument(help="Files or folders to search (folders recursively, `.git` "
+                                                    "skipped).", show_default=False, **INPUT_PATH)],
+        tasks_dir: Annotated[Path | None, typer.Option(help="Folder of the task folders whose JSONL texts are "
+                                                           "looked for (data.tasks_dir).", show_default=False,
+                                                       **INPUT_FOLDER)] = None,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+    ) -> None:
+        """Fail (exit 1) if any file holds a dataset's query text: every `text` of at least 16 characters in the
+        task folders' JSONL files, as written or as escaped inside a JSON string. Run it on anything about to be
+        committed (`experiments/icrl_stream_rl/run.sh park` runs it on what it parks); safetensors files are
+        searched in their header only."""
+        from icrl_core.icrl_eval import query_digest
+        from tasks.icrl_eval import find_dataset_text
+
+        if tasks_dir is None:
+            tasks_dir = resolve_config(params, overrides).data.tasks_dir
+        count, hits = find_dataset_text(paths, tasks_dir)
+        out = console()
+        for path, text in hits:
+            out.print(f"{path}: holds a dataset text (query_sha256 {query_digest(text)}; the text is not printed)")
+        out.print(f"searched {', '.join(map(str, paths))} for {count} dataset texts ({tasks_dir}): "
+                  f"{len(hits)} file(s) hold one")
+        if hits:
+            raise typer.Exit(1)
 
     @app.command("plot")
     def plot_command(

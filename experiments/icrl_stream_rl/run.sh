@@ -24,7 +24,8 @@
 #                 (.icrl/checkpoints/<stage>-<config fingerprint>/step-N), the outputs of a training target that has
 #                 not finished (artifacts/<output_dir>, until runs/<target>/probe.json exists) and the evaluation
 #                 work folders (.icrl/evaluations: finished runs and the logs of runs in progress, copied by
-#                 `icrl redact`: no query text, which must not enter the repository). Every training
+#                 `icrl redact`: no query text, which must not enter the repository; `icrl check-text` then
+#                 searches everything parked for the datasets' texts and fails on a hit). Every training
 #                 target first restores what is parked, so the next session's run resumes: the stage from its
 #                 checkpoint (the fingerprint in the folder name only matches the same settings), a trained stage is
 #                 not trained again, an evaluation goes on from its log. Delete the parked folder once its run ends
@@ -122,6 +123,9 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
         # without the queries' text (each a SHA-256 digest; the run resumes from it): the datasets stay out of git
         "$ICRL" redact .icrl/evaluations "$PARKED/evaluations"
         echo "== parked .icrl/evaluations in $PARKED/evaluations (no query text): commit it"
+    fi
+    if [[ -d $PARKED ]]; then  # fails (exit 1) if any parked file holds a dataset's text: nothing to commit then
+        "$ICRL" check-text "$PARKED"
     fi
 }
 

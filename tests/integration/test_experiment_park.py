@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TASKS_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +31,11 @@ def project(tmp_path) -> Path:
     shutil.copy2(ROOT / SCRIPT, tmp_path / SCRIPT)
     stub = tmp_path / ".venv" / "bin" / "icrl"
     stub.parent.mkdir(parents=True)
-    real = Path(sys.executable).parent / "icrl"  # `icrl redact` (park's copy of the evaluation logs) runs for real
-    stub.write_text(f'#!/bin/sh\n[ "$1" = redact ] && exec {real} "$@"\necho "$@" >> "$(dirname "$0")/calls.log"\n')
+    real = Path(sys.executable).parent / "icrl"  # `icrl redact` (park's copy of the evaluation logs) and `icrl
+    # check-text` (park's search of what it parked for the datasets' texts) run for real
+    stub.write_text(f'#!/bin/sh\n[ "$1" = redact ] && exec {real} "$@"\n'
+                    f'[ "$1" = check-text ] && exec {real} "$@" --tasks-dir {TASKS_DIR}\n'
+                    'echo "$@" >> "$(dirname "$0")/calls.log"\n')
     stub.chmod(0o755)
     return tmp_path
 
@@ -113,6 +116,21 @@ def test_a_trained_target_is_parked_until_it_finishes_and_not_trained_again(proj
     assert "moon" not in partial.read_text() and "query_sha256" in partial.read_text()
     calls = _calls(project)
     assert [call.split()[:2] for call in calls] == [["stage", "evaluate"], ["probe-feedback", "--task"]]
+
+
+def test_park_fails_when_what_it_parks_holds_a_dataset_text(project, tasks_dir):
+    from icrl_core.icrl_eval import query_digest
+
+    query = next(json.loads(line)["text"] for line in (tasks_dir / "trec_coarse" / "test.jsonl").open()
+                 if len(json.loads(line)["text"].strip()) >= 30)
+    trained = project / "artifacts" / "explorative_streams"
+    _checkpoint(trained / "adapter", "weights", "adapter_model.safetensors")
+    (trained / "history.json").write_text(json.dumps([{"iteration": 1, "sample": query}]))  # e.g. a logged rollout
+
+    result = subprocess.run(["bash", str(project / SCRIPT), "park"], cwd=project, capture_output=True, text=True,
+                            check=False, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert query_digest(query) in " ".join(result.stdout.split()) and query not in result.stdout
 
 
 def _kept(project: Path, name: str) -> Path:

@@ -56,12 +56,14 @@ def path_kind(param) -> str:
         return "input_file"
     if info.exists and not info.file_okay:
         return "input_folder"
+    if info.exists:
+        return "input_path"
     if not info.dir_okay:
         return "output_file"
     if not info.file_okay:
         return "output_folder"
-    raise AssertionError(f"path parameter '{param.name}' declares neither INPUT_FILE, INPUT_FOLDER, OUTPUT_FILE "
-                         "nor OUTPUT_FOLDER (tasks/cli_common.py), nor is it read by its command")
+    raise AssertionError(f"path parameter '{param.name}' declares none of INPUT_FILE, INPUT_FOLDER, INPUT_PATH, "
+                         "OUTPUT_FILE, OUTPUT_FOLDER (tasks/cli_common.py), nor is it read by its command")
 
 
 def bad_values(param, tmp: Path) -> list[str]:
@@ -81,7 +83,7 @@ def bad_values(param, tmp: Path) -> list[str]:
         return ["bogus"]
     if kind is Path:
         missing, directory, not_utf8 = tmp / "missing", tmp / "a-directory", tmp / "not-utf8.txt"
-        return {"input_file": [missing, directory, not_utf8], "input_folder": [missing, not_utf8],
+        return {"input_file": [missing, directory, not_utf8], "input_folder": [missing, not_utf8], "input_path": [missing],
                 "output_file": [directory], "output_folder": [not_utf8]}[path_kind(param)]
     return []  # free text and flags: any value parses (commands check the meaning: `icrl eval --task bogus`)
 
@@ -102,7 +104,7 @@ def valid_value(param, tmp: Path, command: str = "") -> str:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return next(iter(kind)).value
     if kind is Path:
-        return str(tmp / ("a-directory" if path_kind(param).endswith("folder") else "valid.txt"))
+        return str(tmp / ("a-directory" if path_kind(param).endswith(("folder", "path")) else "valid.txt"))
     return "x"
 
 

@@ -410,6 +410,12 @@ class StreamConfig(Section):
                                       "(tasks, queries, sampling): a run continued from another run's adapter "
                                       "sets the earlier run's steps here to draw fresh streams instead of "
                                       "repeating its first iterations' (validation draws never move).")] = 0
+    redraws: Annotated[int, Field(ge=0, le=16, description="Dynamic sampling (DAPO): a training group whose "
+                                  "streams earned the same reward at every trained step (so no group-relative "
+                                  "advantage) is replaced by a group of a newly drawn task, up to this many times "
+                                  "per group and iteration; a group still uniform after them is kept (0: off). "
+                                  "For the group objectives; validation groups are never redrawn. Synchronous "
+                                  "rollouts of the ppo stage only.")] = 0
     context: StreamContext = Field(default_factory=NaiveStreamContext, description="Which past steps a step "
                                    "sees (the evaluation strategy the streams train under): naive (all, the "
                                    "default) or explorative (rewarded ones, each kept with probability p_keep).")
@@ -560,6 +566,13 @@ class PPOConfig(OptimFields):
         if self.async_rollouts.enabled and self.stream.engine == "inference":
             raise ValueError("ppo.stream.engine=inference decodes the synchronous rollouts; the rollout actors of "
                              "async_rollouts decode with their own policy copy: use one or the other")
+        if self.async_rollouts.enabled and self.stream.redraws:
+            raise ValueError("ppo.stream.redraws redraws the synchronous rollouts' uniform groups; the rollout "
+                             "actors of async_rollouts do not: set stream.redraws=0 or async_rollouts.enabled=false")
+        if self.stream.redraws and self.objective.kind == "ppo":
+            raise ValueError("ppo.stream.redraws replaces groups without a group-relative advantage, and "
+                             "objective.kind=ppo has none (its advantages come from the value head): use a group "
+                             "objective or stream.redraws=0")
         if self.async_rollouts.enabled and self.mode != "stream":
             raise ValueError("async_rollouts.enabled needs ppo.mode=stream (token-mode rollouts run in the "
                              "trainer)")
@@ -644,6 +657,9 @@ class DPOConfig(OptimFields):
         if self.stream.burn_in:
             raise ValueError("dpo.stream.burn_in: the mined streams render every step from its first query; "
                              "burn_in is a ppo-stage option (ppo.stream.burn_in), set dpo.stream.burn_in=0")
+        if self.stream.redraws:
+            raise ValueError("dpo.stream.redraws: the mined streams are not trained by a group objective; redraws "
+                             "is a ppo-stage option (ppo.stream.redraws), set dpo.stream.redraws=0")
         return self
 
 

@@ -321,13 +321,14 @@ class RolloutEngine:
 
 
 def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConfig, seed: int, iteration: int,
-                   max_tokens: int, engine: RolloutEngine | None = None) -> list[Stream]:
-    """The `group_size` streams of each (group, task), draws by (seed, draw_key, group, stream); decoded by
-    `engine` when given (one engine version for all of them), else by the policy's own KV cache."""
+                   max_tokens: int, engine: RolloutEngine | None = None, redraw: int = 0) -> list[Stream]:
+    """The `group_size` streams of each (group, task), draws by (seed, draw_key, group, stream, redraw); decoded
+    by `engine` when given (one engine version for all of them), else by the policy's own KV cache."""
     with engine.serving(policy) if engine is not None else contextlib.nullcontext((None, None)) as (served, adapter):
         streams: list[Stream] = []
         for group, task in tasks:
-            rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g) for g in range(cfg.stream.group_size)]
+            rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g, redraw)
+                    for g in range(cfg.stream.group_size)]
             streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context,
                                         served, adapter, cfg.stream.burn_in, cfg.stream.shared_burn_in)
     return streams
@@ -339,6 +340,37 @@ def roll_out(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, itera
     by (seed, iteration, group, stream)."""
     return roll_out_tasks(policy, stream_tasks(sources, data, cfg, seed, iteration, groups, split), cfg, seed,
                           iteration, max_tokens, engine)
+
+
+def uniform_group(streams: Sequence[Stream]) -> bool:
+    """Every stream of a group earned the same reward at every step: equal returns at each step, so the group
+    baseline leaves no advantage to any decision (DAPO's zero-variance group)."""
+    return all(s.rewards == streams[0].rewards for s in streams[1:])
+
+
+def redraw_uniform_groups(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration: int,
+                          streams: Sequence[Stream], max_tokens: int, engine: RolloutEngine | None = None
+                          ) -> tuple[list[Stream], int]:
+    """Dynamic sampling (DAPO, Yu et al. 2025) for training groups: a uniform group is replaced by the streams of
+    a new task for the same group (task key `train-<draw key>-<group>-redraw<k>`, draws keyed by k), up to
+    `ppo.stream.redraws` times; a group still uniform after them is kept. Deterministic in (seed, iteration), so
+    a resumed run redraws the same. Returns the streams and the number of groups rolled out again."""
+    by_group: dict[int, list[Stream]] = {}
+    for stream in streams:
+        by_group.setdefault(stream.group, []).append(stream)
+    key = draw_key(cfg, iteration)
+    queries = cfg.stream.burn_in + cfg.stream.steps
+    kept: list[Stream] = []
+    redrawn = 0
+    for group, members in by_group.items():
+        for redraw in range(1, cfg.stream.redraws + 1):
+            if not uniform_group(members):
+                break
+            task = sample_stream_task(sources, data, queries, seed, f"train-{key}-{group}-redraw{redraw}", "train")
+            members = roll_out_tasks(policy, [(group, task)], cfg, seed, iteration, max_tokens, engine, redraw)
+            redrawn += 1
+        kept += members
+    return kept, redrawn
 
 
 def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
@@ -399,8 +431,18 @@ def stream_step(policy, optimizer, scheduler, sources, data: DataConfig, cfg: PP
     started = time.perf_counter()
     streams = roll_out(policy, sources, data, cfg, seed, step, shard(range(cfg.stream.groups)), "train",
                        max_tokens, engine)
-    return learn_from_streams(policy, optimizer, scheduler, streams, cfg, beta, generator, started,
-                              time.perf_counter() - started, regularizer=regularizer)
+    redrawn = 0
+    if cfg.stream.redraws:
+        streams, redrawn = redraw_uniform_groups(policy, sources, data, cfg, seed, step, streams, max_tokens, engine)
+    metrics = learn_from_streams(policy, optimizer, scheduler, streams, cfg, beta, generator, started,
+                                 time.perf_counter() - started, regularizer=regularizer)
+    if cfg.stream.redraws:  # this worker's groups: rolled out again, and still uniform after the redraws
+        by_group: dict[int, list[Stream]] = {}
+        for stream in streams:
+            by_group.setdefault(stream.group, []).append(stream)
+        metrics["redrawn_groups"] = float(redrawn)
+        metrics["uniform_groups"] = float(sum(map(uniform_group, by_group.values())))
+    return metrics
 
 
 def learn_from_streams(policy, optimizer, scheduler, streams: Sequence[Stream], cfg: PPOConfig, beta: float,

@@ -178,9 +178,10 @@ def restricted_logits(head, rows: torch.Tensor, candidates: torch.Tensor) -> tor
     return logits
 
 
-def stream_rng(seed: int, iteration: int, group: int, stream: int) -> np.random.Generator:
-    """The decoding draws of one stream (one uniform per decision, as the harness draws)."""
-    return np.random.default_rng([seed, iteration, group, stream])
+def stream_rng(seed: int, iteration: int, group: int, stream: int, redraw: int = 0) -> np.random.Generator:
+    """The decoding draws of one stream (one uniform per decision, as the harness draws); `redraw` > 0: those of
+    the group's redrawn task (ppo.stream.redraws), independent of the first draw's."""
+    return np.random.default_rng([seed, iteration, group, stream, *([redraw] if redraw else [])])
 
 
 def _walk_trie(cache: BatchedCache, hidden: torch.Tensor, trie: LabelTrie, head, rngs: Sequence[np.random.Generator],

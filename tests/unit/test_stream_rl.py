@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from icrl_core.config import DataConfig, LoraAdapter, PPOConfig, SyntheticSource
+from icrl_core.config import DataConfig, DPOConfig, LoraAdapter, PPOConfig, SyntheticSource
 from icrl_core.dataset_build import resolve_sources
 from icrl_core.objectives import OBJECTIVE_KINDS
 from icrl_core.ppo import iteration_generator, make_optimizer, trainable_tensors, zero_value_head
@@ -220,3 +220,47 @@ def test_the_ppo_stage_builds_the_rollout_engine_the_config_names(tmp_path):
     vllm_rollouts = rollout_engine(load_config(None, ["inference.backend=vllm", "model.init_adapter=somewhere"],
                                                environ={}), str(tmp_path))
     assert vllm_rollouts.adapter_dir == tmp_path and vllm_rollouts.engine is None  # started at the first rollout
+
+
+
+def test_uniform_groups_are_redrawn_until_they_carry_an_advantage(policy):
+    """ppo.stream.redraws (DAPO's dynamic sampling): a group whose streams all earned the same rewards is rolled
+    out again on a new task, keyed so a resumed run redraws the same; a group with an advantage is kept as it was;
+    the ppo objective (no group advantage) and async rollouts refuse the option."""
+    from pydantic import ValidationError
+
+    from icrl_core.stream_rl import redraw_uniform_groups, roll_out, uniform_group
+
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, temperature=1.0,
+                    stream={"steps": 2, "group_size": 2, "groups": 4, "redraws": 3})
+    sources = resolve_sources(DATA, 0)
+    fresh(policy)
+    first = roll_out(policy, sources, DATA, cfg, 0, 1, range(4), "train", 2048)
+    uniform_first = [g for g in range(4) if uniform_group([s for s in first if s.group == g])]
+    assert uniform_first, "2 streams x 2 steps on 2-3 labels: some group should be uniform at seed 0"
+    streams, redrawn = redraw_uniform_groups(policy, sources, DATA, cfg, 0, 1, first, 2048)
+    again, redrawn_again = redraw_uniform_groups(policy, sources, DATA, cfg, 0, 1, first, 2048)
+    assert redrawn == redrawn_again and [s.rewards for s in streams] == [s.rewards for s in again]
+    assert len(uniform_first) <= redrawn <= 3 * len(uniform_first)
+    for group in range(4):
+        before = [s for s in first if s.group == group]
+        after = [s for s in streams if s.group == group]
+        assert len(after) == 2
+        if group in uniform_first:
+            assert all(a is not b for a, b in zip(after, before, strict=True))  # rolled out again
+            assert not uniform_group(after) or redrawn >= 3  # uniform only after all its redraws
+        else:
+            assert after == before  # kept as rolled out
+
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, sources, DATA, cfg, 0.0, 0, 1, iteration_generator(0, 1),
+                          2048)
+    assert metrics["redrawn_groups"] == redrawn and math.isfinite(metrics["loss"])
+    assert metrics["uniform_groups"] == sum(uniform_group([s for s in streams if s.group == g]) for g in range(4))
+
+    with pytest.raises(ValidationError, match="redraws"):
+        PPOConfig(mode="stream", objective={"kind": "ppo"}, stream={"redraws": 1})
+    with pytest.raises(ValidationError, match="redraws"):
+        PPOConfig(mode="stream", objective={"kind": "rloo"}, stream={"redraws": 1}, async_rollouts={"enabled": True})
+    with pytest.raises(ValidationError, match="dpo.stream.redraws"):
+        DPOConfig(stream={"redraws": 1})

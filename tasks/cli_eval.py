@@ -348,7 +348,7 @@ def register(app: typer.Typer) -> None:
         committed (`experiments/icrl_stream_rl/run.sh park` runs it on what it parks); safetensors files are
         searched in their header only."""
         from icrl_core.icrl_eval import query_digest
-        from tasks.icrl_eval import find_dataset_text
+        from tasks.text_check import find_dataset_text
 
         if tasks_dir is None:
             tasks_dir = resolve_config(params, overrides).data.tasks_dir

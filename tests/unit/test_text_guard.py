@@ -54,7 +54,7 @@ def test_check_text_cli_finds_a_query_in_a_folder_and_exits_1(tmp_path, tasks_di
 
 def test_the_repository_holds_no_dataset_text(tasks_dir):
     """Every tracked file (committed experiment logs, adapters' headers, test fixtures, docs)."""
-    from tasks.icrl_eval import find_dataset_text
+    from tasks.text_check import find_dataset_text
 
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False)
     if listed.returncode != 0:

@@ -18,6 +18,7 @@ headline), an MLflow run.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from tasks.runtime import content_key
 from tasks.settings import PipelineConfig, with_overrides
 
 STAGE = "evaluate"
+log = logging.getLogger(__name__)
 # metrics/evaluate.json: evaluate.metric and these; the full record is evaluate.output_dir/metrics.json
 HEADLINE = ("base_final_test_accuracy", "trained_final_test_accuracy", "gain", "forgetting_drop", "eligible")
 
@@ -530,6 +532,12 @@ def evaluation_results(configs: list[PipelineConfig], workers: int, reuse: bool,
         again = (work_dir / "config.json").exists()
         if again:
             _follow_adapter(work_dir, work_run)
+        else:
+            for key, steps in superseded_partials(work_run):
+                log.warning("%s (seed %d) starts from step 0: the partial run in %s (%d steps logged) has the same "
+                            "settings and adapter path but another result key (the harness code or the adapter's "
+                            "bytes changed since), so it cannot resume; it is left in place",
+                            work_dir.name, run_config.icrl_eval.seed, RESULT_CACHE / "partial" / key, steps)
         resumed += again
         jobs.append((_evaluate_job, {"config_json": work_run.model_dump(mode="json"), "resume": again}))
         owners.append(("run", i))
@@ -567,6 +575,36 @@ def pool_waves(kinds: Sequence[str], workers: int) -> list[tuple[list[int], int]
     waves = [runs[start:start + workers] for start in range(0, len(runs), workers)] or [[]]
     waves[-1] = waves[-1] + [j for j, kind in enumerate(kinds) if kind != "run"]
     return [(wave, 1 if sum(kinds[j] == "run" for j in wave) == 1 else workers) for wave in waves if wave]
+
+
+def superseded_partials(work_run: PipelineConfig) -> list[tuple[str, int]]:
+    """Partial runs under another result key with this run's name and saved settings (everything but the output
+    folder, adapter path included): a run parked before the harness code or the adapter changed, which this run
+    cannot resume. Each as (its key, the steps its log holds), so a restart from step 0 is never silent."""
+    import json
+
+    from tasks.icrl_eval import run_dir_for
+
+    mine = run_dir_for(work_run.icrl_eval)
+    wanted = _comparable(work_run.model_dump(mode="json"))
+    found = []
+    for other in sorted((RESULT_CACHE / "partial").glob(f"*/{mine.name}/config.json")):
+        if other.parent == mine:
+            continue
+        try:
+            saved = json.loads(other.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if _comparable(saved) == wanted:
+            steps = other.parent / "steps.jsonl"
+            found.append((other.parent.parent.name, sum(1 for _ in steps.open()) if steps.exists() else 0))
+    return found
+
+
+def _comparable(saved: dict) -> dict:
+    """A run's saved config without what differs between work folders of the same run (the output folder)."""
+    icrl_eval = {k: v for k, v in saved.get("icrl_eval", {}).items() if k != "output_dir"}
+    return {"model": saved.get("model"), "icrl_eval": icrl_eval, "seed": saved.get("seed")}
 
 
 def _follow_adapter(work_dir: Path, work_run: PipelineConfig) -> None:

@@ -206,6 +206,35 @@ def test_a_run_resumes_after_its_adapter_moved(in_tmp):
     assert json.loads(Path(done["run_dir"], "run.json").read_text())["resumed_at_step"] == 3
 
 
+def test_a_run_that_cannot_resume_a_superseded_partial_run_says_so(in_tmp, caplog):
+    """A partial run parked before the harness code changed has another result key: the run starts from step 0,
+    and the stage names the partial run it could not resume instead of restarting silently."""
+    import logging
+    import shutil
+
+    from tasks.evaluate import RESULT_CACHE, evaluation_results, result_key, work_config
+    from tasks.icrl_eval import evaluate
+
+    config = _configs(in_tmp / "runs")[1]
+
+    def killed(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    try:
+        evaluate(work_config(config), progress=False, on_test=killed)
+    except KeyboardInterrupt:
+        pass
+    stale = "0" * 24  # the key the run had under the code it was parked with
+    shutil.move(RESULT_CACHE / "partial" / result_key(config), RESULT_CACHE / "partial" / stale)
+    with caplog.at_level(logging.WARNING, logger="tasks.evaluate"):
+        (done,), resumed, _ = evaluation_results([config], workers=1, reuse=True)
+    assert resumed == 0 and json.loads(Path(done["run_dir"], "run.json").read_text())["resumed_at_step"] is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "starts from step 0" in warning and stale in warning and "3 steps logged" in warning
+    assert (RESULT_CACHE / "partial" / stale).is_dir()  # left for its owner, not deleted
+
+
 def test_the_adapter_training_started_from_is_evaluated_alike_and_gated(in_tmp):
     """evaluate.start_adapter: the start adapter (the bootstrap, when RL trains on top of it) runs with the same
     strategies and seeds as the trained one, gain_over_start is their difference, and min_gain_over_start gates

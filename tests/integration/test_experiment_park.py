@@ -186,3 +186,18 @@ def test_setting_16s_gate2_part_evaluates_its_own_adapter_into_its_own_folder(pr
     assert "evaluate.adapter=artifacts/burn_in_streams/adapter" in call
     assert "evaluate.output_dir=artifacts/gate2_s16/seed102-naive" in call
     assert (project / "artifacts" / "burn_in_streams" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_setting_17_continues_setting_16s_kept_adapter_then_runs_its_gate_e(project):
+    _kept(project, "burn_in_streams")
+    _kept(project, "bootstrap_h32")
+    _run(project, "s17")
+    train, gate, probe = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/burn_in_streams.yaml "
+                                                              "-c experiments/icrl_stream_rl/burn_in_streams_more.yaml")
+    assert (project / "artifacts" / "burn_in_streams" / "adapter" / "adapter_model.safetensors").exists()  # its start
+    assert gate.startswith("stage evaluate ") and gate.endswith("gate_explorative_s17.yaml")
+    assert probe.startswith("probe-feedback ") and "artifacts/burn_in_streams_more/adapter" in probe
+    _kept(project, "burn_in_streams_more")  # gate 2 evaluates the adapter kept in the repository
+    _run(project, "s17-gate2-100-explorative")
+    assert "evaluate.adapter=artifacts/burn_in_streams_more/adapter" in _calls(project)[-1]

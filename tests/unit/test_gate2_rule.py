@@ -75,6 +75,9 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     # setting 16's gate E16 (addendum 29): five points of test accuracy at the last step, the stream reward not a term
     assert gate_e.decision(runs(-0.05, 0.05), "16")["verdict"] == "passed"
     assert gate_e.decision(runs(0.10, 0.049), "16")["verdict"] == "failed"
+    # setting 17's gate E17 (addendum 31): setting 16's +0.095 on the same seed plus three points
+    assert gate_e.decision(runs(0.0, 0.125), "17")["verdict"] == "passed"
+    assert gate_e.decision(runs(0.10, 0.12), "17")["verdict"] == "failed"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

@@ -597,7 +597,8 @@ def superseded_partials(work_run: PipelineConfig) -> list[tuple[str, int]]:
             continue
         if _comparable(saved) == wanted:
             steps = other.parent / "steps.jsonl"
-            found.append((other.parent.parent.name, sum(1 for _ in steps.open()) if steps.exists() else 0))
+            logged = len(steps.read_bytes().splitlines()) if steps.exists() else 0
+            found.append((other.parent.parent.name, logged))
     return found
 
 

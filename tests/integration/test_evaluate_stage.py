@@ -18,6 +18,22 @@ def _steps(run_dir: str) -> list[dict]:
     return [{k: row[k] for k in ("step", "query", "prediction", "reward", "context")} for row in rows]
 
 
+def _interrupted_at_step_3(config) -> None:
+    """Run `config` in its work folder and interrupt it at its first test (step 3), as a SIGINT would mid-run (a
+    SIGKILL loses at most the step in progress): its log stays in the work folder."""
+    from tasks.evaluate import work_config
+    from tasks.icrl_eval import evaluate
+
+    def killed(record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt
+
+    try:
+        evaluate(work_config(config), progress=False, on_test=killed)
+    except KeyboardInterrupt:
+        pass
+
+
 def test_runs_in_a_process_pool_equal_runs_in_turn(tmp_path):
     in_turn = run_evaluations(_configs(tmp_path / "serial"), workers=1)
     pooled = run_evaluations(_configs(tmp_path / "pool"), workers=2)
@@ -64,20 +80,12 @@ def test_finished_base_runs_are_reused_while_nothing_they_depend_on_changes(in_t
 def test_a_killed_stage_resumes_its_evaluation_runs_from_their_logs(in_tmp):
     """DVC deletes a stage's outs before it runs again, so runs are computed in work folders outside them: a run
     interrupted at its first test continues from its log and logs what an uninterrupted run logs."""
-    from tasks.evaluate import evaluation_results, work_config
-    from tasks.icrl_eval import evaluate
+    from tasks.evaluate import evaluation_results
 
     configs = _configs(in_tmp / "runs")[:2]
     reference = run_evaluations(_configs(in_tmp / "reference")[:2], workers=1)
 
-    def killed(record):
-        if record["step"] == 3:
-            raise KeyboardInterrupt  # what a SIGINT does mid-run; a SIGKILL loses at most the step in progress
-
-    try:
-        evaluate(work_config(configs[0]), progress=False, on_test=killed)
-    except KeyboardInterrupt:
-        pass
+    _interrupted_at_step_3(configs[0])
     results, resumed, _ = evaluation_results(configs, workers=1, reuse=True)
     assert resumed == 1
     for done, expected in zip(results, reference):
@@ -183,22 +191,14 @@ def test_a_run_resumes_after_its_adapter_moved(in_tmp):
     import shutil
 
     from icrl_core.model import policy_from_config
-    from tasks.evaluate import evaluation_results, work_config
-    from tasks.icrl_eval import evaluate
+    from tasks.evaluate import evaluation_results
     from tasks.settings import with_overrides
 
     config = _configs(in_tmp / "runs")[1]
     policy_from_config(config.model).save_adapter(in_tmp / "first")
     at_first = with_overrides(config, {"model.init_adapter": str(in_tmp / "first")})
 
-    def killed(record):
-        if record["step"] == 3:
-            raise KeyboardInterrupt
-
-    try:
-        evaluate(work_config(at_first), progress=False, on_test=killed)
-    except KeyboardInterrupt:
-        pass
+    _interrupted_at_step_3(at_first)
     shutil.move(in_tmp / "first", in_tmp / "moved")
     moved = with_overrides(config, {"model.init_adapter": str(in_tmp / "moved")})
     (done,), resumed, _ = evaluation_results([moved], workers=1, reuse=True)
@@ -212,19 +212,11 @@ def test_a_run_that_cannot_resume_a_superseded_partial_run_says_so(in_tmp, caplo
     import logging
     import shutil
 
-    from tasks.evaluate import RESULT_CACHE, evaluation_results, result_key, work_config
-    from tasks.icrl_eval import evaluate
+    from tasks.evaluate import RESULT_CACHE, evaluation_results, result_key
 
     config = _configs(in_tmp / "runs")[1]
 
-    def killed(record):
-        if record["step"] == 3:
-            raise KeyboardInterrupt
-
-    try:
-        evaluate(work_config(config), progress=False, on_test=killed)
-    except KeyboardInterrupt:
-        pass
+    _interrupted_at_step_3(config)
     stale = "0" * 24  # the key the run had under the code it was parked with
     shutil.move(RESULT_CACHE / "partial" / result_key(config), RESULT_CACHE / "partial" / stale)
     with caplog.at_level(logging.WARNING, logger="tasks.evaluate"):

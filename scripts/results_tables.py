@@ -332,6 +332,22 @@ def demo_summary() -> str:
 # The README's headline
 
 
+def _distillation_headline() -> list[str] | None:
+    """Issue 29's context distillation as a headline row, once every seed has both students' naive runs."""
+    measured = _json("experiments/icrl_stream_rl/results.json").get("context_distillation") or {}
+    seeds = measured.get("seeds") or {}
+    finals = {arm: [_final(arms[arm]["runs"]["trained-naive"]) for arms in seeds.values() if arm in arms]
+              for arm in ("plain", "distill")}
+    if len(seeds) < 3 or any(len(values) != len(seeds) for values in finals.values()):
+        return None
+    forgetting = measured["students"]["distill"]["forgetting"]["probe_1509_items"]["change"]
+    plain, distill = statistics.mean(finals["plain"]), statistics.mean(finals["distill"])
+    return [f"[context distillation](experiments/icrl_stream_rl/REPORT.md#distillation-parts), held-out TREC "
+            f"coarse, naive, step 999 ({len(seeds)} seeds): plain vs distilled student", _fmt(plain),
+            _fmt(distill), f"{distill - plain:+.3f}, {measured['decision']['verdict']}; forgetting "
+            f"{forgetting * 100:+.1f} points"]
+
+
 def readme_headline() -> str:
     skill = _json("experiments/icrl_skill/results.json")
     demo = (_demo() or {}).get("headline")
@@ -385,6 +401,9 @@ def readme_headline() -> str:
                      _fmt(critic["plain_sampling_reward"]), _fmt(critic["q_weighted_reward"]),
                      f"{critic['q_minus_plain']:+.3f} [{critic['q_minus_plain_low']:+.3f}, "
                      f"{critic['q_minus_plain_high']:+.3f}]"])
+    distilled = _distillation_headline()
+    if distilled:
+        rows.append(distilled)
     speed_line = (f"Speed: exact KV-cache reuse runs explorative in-context RL at {speed['explorative']['speedup_steps_per_s']:.2f}x "
                   f"and naive at {speed['naive']['speedup_steps_per_s']:.2f}x the steps/s of recomputing every prompt "
                   f"(identical predictions); one policy-optimisation iteration runs at "
@@ -396,9 +415,12 @@ def readme_headline() -> str:
                      if "tokens_per_second_icrl_shared_over_trl" in grpo else "."))
     async_path = ROOT / "bench/results/async_rollouts.json"
     if async_path.exists():
-        ratio = _json("bench/results/async_rollouts.json")["ratio"]
-        speed_line += (f" Asynchronous stream rollouts (Ray actors): x{ratio['wall_sync_over_async']:.2f} the "
-                       "synchronous wall time on the 2 cores ([docs/ASYNC.md](docs/ASYNC.md)).")
+        sides = _json("bench/results/async_rollouts.json")["results"]
+        sync, async_ = sides["sync"], sides["async"]
+        speed_line += (f" [Async stream rollouts](docs/ASYNC.md) (Ray actors) vs sync, same seeds and "
+                       f"budget: wall {async_['wall_seconds']:.0f} s vs {sync['wall_seconds']:.0f} s "
+                       f"(x{sync['wall_seconds'] / async_['wall_seconds']:.2f} faster), final reward "
+                       f"{_fmt(async_['final_reward'])} vs {_fmt(sync['final_reward'])}.")
     return _table(["measure", "base SmolLM2-135M", "trained", "note"], rows) + "\n" + speed_line + "\n"
 
 

@@ -400,6 +400,11 @@ class StreamConfig(Section):
                                           "burn-in queries and every stream of the group branches from that one "
                                           "history at the first trained step (the burn-in decoded once per group; "
                                           "the group baseline compares answers from the same context).")] = False
+    burn_in_temperature: Annotated[float | None, Field(gt=0, description="Sampling temperature of the burn-in "
+                                   "answers (None: ppo.temperature). The burn-in is context, not actions: at the "
+                                   "evaluation's temperature (the naive harness samples at 1.0) its answers are "
+                                   "the ones an evaluated stream gives itself, while the trained steps may explore "
+                                   "at a higher ppo.temperature.")] = None
     group_size: Annotated[int, Field(ge=1, le=64, description="Streams per group (G): same task and query order, "
                                      "generated together; group objectives compare them.")] = 4
     groups: Annotated[int, Field(ge=1, description="Groups rolled out per iteration (split over data-parallel "
@@ -427,11 +432,14 @@ class StreamConfig(Section):
                     "ppo stage (not async_rollouts, not the dpo stage's mined streams).")] = "policy"
 
     @model_validator(mode="after")
-    def _shared_burn_in_needs_a_burn_in(self) -> StreamConfig:
+    def _burn_in_options_need_a_burn_in(self) -> StreamConfig:
         # without burn-in queries there is nothing to share: the option would be silently ignored
         if self.shared_burn_in and not self.burn_in:
             raise ValueError("shared_burn_in=true shares the burn-in queries of a group, and burn_in is 0: set "
                              "burn_in to the queries answered before the trained steps, or shared_burn_in=false")
+        if self.burn_in_temperature is not None and not self.burn_in:
+            raise ValueError("burn_in_temperature samples the burn-in answers, and burn_in is 0: set burn_in to the "
+                             "queries answered before the trained steps, or leave burn_in_temperature unset")
         return self
 
 

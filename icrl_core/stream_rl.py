@@ -330,7 +330,8 @@ def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConf
             rngs = [stream_rng(seed, draw_key(cfg, iteration), group, g, redraw)
                     for g in range(cfg.stream.group_size)]
             streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context,
-                                        served, adapter, cfg.stream.burn_in, cfg.stream.shared_burn_in)
+                                        served, adapter, cfg.stream.burn_in, cfg.stream.shared_burn_in,
+                                        cfg.stream.burn_in_temperature)
     return streams
 
 

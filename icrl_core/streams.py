@@ -268,7 +268,7 @@ def explorative_max_examples(tokens: Tokens, task: StreamTask, window: int) -> i
 def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generator], temperature: float,
                      group: int = 0, max_tokens: int | None = None, context: StreamContext | None = None,
                      engine=None, adapter: str | None = None, burn_in: int = 0,
-                     shared_burn_in: bool = False) -> list[Stream]:
+                     shared_burn_in: bool = False, burn_in_temperature: float | None = None) -> list[Stream]:
     """Run len(rngs) streams of `task` together: at each step render every stream's context (`context`: which
     past steps it shows; default naive, all of them) + query, walk the label trie deciding at each branching node
     with that stream's rng, reward the label, add the episode to its history. Naive streams share one KV cache in
@@ -280,12 +280,14 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
     `shared_burn_in` only the first stream answers them (its draws), and every stream branches from that one
     history at the first trained step: the burn-in is decoded once, and the streams' steps start from the same
     context, so a group baseline compares their answers from the same state.
+    `burn_in_temperature` (None: `temperature`) samples the burn-in answers: the trained steps may explore at a
+    higher temperature than the one that made their context.
 
     With `engine` (an InferenceEngine, `ppo.stream.engine: inference`) the answers are decoded by it instead,
     `adapter` naming the weights it serves (None: the engine's own, e.g. a torch engine around `policy`): the
     same draws and decision rule, so the same answers up to the float rounding of another computation; the
     token sequences, rewards and decisions are recorded as above for the update, which `policy` computes."""
-    if temperature <= 0:
+    if temperature <= 0 or (burn_in_temperature is not None and burn_in_temperature <= 0):
         raise UserError("stream rollouts sample their answers: the temperature must be > 0")
     if not 0 <= burn_in < len(task.queries):
         raise UserError(f"burn_in={burn_in} leaves no step of a {len(task.queries)}-query stream to train on")
@@ -334,14 +336,16 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             fed[g] = prompt
         prompts = [fed[g] for g in rows]
         row_rngs = [rngs[g] for g in rows]
+        step_temperature = temperature if t >= burn_in or burn_in_temperature is None else burn_in_temperature
         starts = [len(ids) for ids in prompts]
         if engine is not None:
-            answer, decisions, leaf = _walk_engine(engine, adapter, prompts, shared, trie, row_rngs, temperature)
+            answer, decisions, leaf = _walk_engine(engine, adapter, prompts, shared, trie, row_rngs,
+                                                   step_temperature)
         else:
             if selectors is not None:
                 cache = BatchedCache(policy, len(rows))
             hidden = cache.feed(news, logits=False)                   # (rows, H): every row fed its prompt
-            answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, row_rngs, temperature, starts)
+            answer, decisions, leaf = _walk_trie(cache, hidden, trie, head, row_rngs, step_temperature, starts)
         for i, g in enumerate(rows):
             label = labels[trie.label_of_leaf[leaf[i]]]
             reward = int(label == example.label)

@@ -312,6 +312,16 @@ def test_a_shared_burn_in_needs_burn_in_queries():
     assert cfg.ppo.stream.burn_in == 8 and cfg.ppo.stream.shared_burn_in
 
 
+def test_a_burn_in_temperature_needs_burn_in_queries_and_is_positive():
+    with pytest.raises(ConfigError, match=r"ppo.stream: burn_in_temperature samples the burn-in answers, and "
+                                          r"burn_in is 0"):
+        load_config(None, ["ppo.stream.burn_in_temperature=1.0"], environ={})
+    with pytest.raises(ConfigError, match="burn_in_temperature"):
+        load_config(None, ["ppo.stream={burn_in: 8, burn_in_temperature: 0}"], environ={})
+    cfg = load_config(None, ["ppo.stream={burn_in: 8, burn_in_temperature: 1.0}"], environ={})
+    assert cfg.ppo.stream.burn_in_temperature == 1.0 and load_config(None, [], environ={}).ppo.stream.burn_in_temperature is None
+
+
 def test_stream_context_is_a_variant_and_hindsight_couples_need_the_naive_view():
     cfg = load_config(None, ["ppo.mode=stream", "ppo.stream.context={kind: explorative, p_keep: 0.3}"], environ={})
     assert cfg.ppo.stream.context.kind == "explorative" and cfg.ppo.stream.context.p_keep == 0.3

@@ -384,6 +384,35 @@ def test_a_shared_burn_in_is_the_first_streams_and_every_stream_branches_from_it
     assert torch.allclose(logp[batch.action_mask], batch.behaviour_logp[batch.action_mask], atol=1e-4)
 
 
+@pytest.mark.parametrize("context", [None, EXPLORATIVE], ids=["naive", "explorative"])
+def test_a_burn_in_temperature_makes_the_context_and_the_trained_steps_keep_theirs(policy, task, context):
+    """burn_in_temperature: the burn-in answers are the first answers of a whole stream sampled at that
+    temperature (the same draws), the trained steps are sampled and scored at ppo.temperature; unset, it is
+    ppo.temperature (the stream of the burn-in test above)."""
+    def rngs():
+        return [stream_rng(0, 3, 0, g) for g in range(2)]
+
+    cold = generate_streams(policy, task, rngs(), temperature=0.3, context=context)
+    mixed = generate_streams(policy, task, rngs(), temperature=3.0, context=context, burn_in=BURN_IN,
+                             burn_in_temperature=0.3)
+    hot = generate_streams(policy, task, rngs(), temperature=3.0, context=context, burn_in=BURN_IN)
+    same = generate_streams(policy, task, rngs(), temperature=3.0, context=context, burn_in=BURN_IN,
+                            burn_in_temperature=3.0)
+    for c, m, h, s in zip(cold, mixed, hot, same):
+        assert m.context_ids(0) == c.context_ids(BURN_IN)  # the burn-in: the cold stream's first answers
+        assert [x.record for x in s.steps] == [x.record for x in h.steps] and s.sequences == h.sequences
+    if context is None:  # naive contexts show every burn-in answer: the temperature changed them
+        assert any(m.context_ids(0) != h.context_ids(0) for m, h in zip(mixed, hot))
+    batch = collate_streams(mixed, policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _, _ = stream_outputs(policy, batch, temperature=3.0, with_values=False)
+    assert torch.allclose(logp[batch.action_mask], batch.behaviour_logp[batch.action_mask], atol=1e-4)
+    from icrl_core.errors import UserError
+
+    with pytest.raises(UserError, match="temperature must be > 0"):
+        generate_streams(policy, task, rngs(), temperature=1.0, burn_in=BURN_IN, burn_in_temperature=0.0)
+
+
 def test_the_teacher_of_a_burned_in_stream_scores_its_steps_after_every_earlier_gold_label(policy, task, streams):
     burned = generate_streams(policy, task, [stream_rng(0, 1, 0, g) for g in range(3)], temperature=1.0,
                               burn_in=BURN_IN)

@@ -628,13 +628,14 @@ def stream_rl_gate2() -> str:
 
 
 def stream_rl_gate_e() -> str:
-    """The development gates E of experiments/icrl_stream_rl (collect_gate_e.py): explorative test accuracy on
-    trec_coarse at the development seed of the RL adapter, the bootstrap it started from and the base model, and
-    each setting's pre-registered rule."""
+    """The development gates of experiments/icrl_stream_rl (collect_gate_e.py): test accuracy on trec_coarse in the
+    gate's strategy (explorative; naive for gate N18) at the development seed of the RL adapter, the bootstrap it
+    started from and the base model, and each setting's pre-registered rule."""
     results = _json("experiments/icrl_stream_rl/results.json").get("gate_e", {})
     rows = []
     for setting, gate in results.items():
-        runs = {m: gate["runs"].get(f"{m}-explorative") for m in ("base", "start", "trained")}
+        strategy = gate.get("strategy", "explorative")
+        runs = {m: gate["runs"].get(f"{m}-{strategy}") for m in ("base", "start", "trained")}
         curves = []
         for run in runs.values():
             steps = sorted(run["test_accuracy"], key=int) if run else []
@@ -644,11 +645,12 @@ def stream_rl_gate_e() -> str:
         rule = (f"test gain >= {_signed(d['min_test_gain'])}" if "min_test_gain" in d
                 else "stream reward gain >= +0.03 and test gain >= 0")  # setting 15's rule, collected before 16's
         gains = (f"{_signed(d['test_gain'])} (stream reward {_signed(d['train_gain'])})" if "test_gain" in d else "")
-        rows.append([setting, str(gate["seed"]), *curves, reward, gains, f"{rule}: **{d['verdict']}**"])
+        rows.append([setting, str(gate["seed"]), strategy, *curves, reward, gains, f"{rule}: **{d['verdict']}**"])
     if not rows:
         return "No gate-E run is collected yet.\n"
-    return _table(["setting", "seed", "base (test accuracy at each test step)", "bootstrap (start)", "RL adapter",
-                   "training-stream reward base / start / RL", "RL - bootstrap at the last step", "rule"], rows)
+    return _table(["setting", "seed", "strategy", "base (test accuracy at each test step)", "bootstrap (start)",
+                   "RL adapter", "training-stream reward base / start / RL", "RL - bootstrap at the last step", "rule"],
+                  rows)
 
 
 def stream_rl_learnability() -> str:

@@ -1,10 +1,12 @@
-"""Collect a development gate E (PREREGISTERED.md) into results.json: the evaluate stage's explorative runs at
-the development seed of the RL adapter (`trained`) and the bootstrap it started from (`start`), their stream
-behaviour, and the pre-registered decision of that setting's rule.
+"""Collect a development gate (PREREGISTERED.md) into results.json: the evaluate stage's runs, in the strategy
+the setting's gate measures (explorative; naive for gate N18), at the development seed of the RL adapter
+(`trained`) and the bootstrap it started from (`start`), their stream behaviour, and the pre-registered decision
+of that setting's rule.
 
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 15 --folder artifacts/gate_explorative
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 16 --folder artifacts/gate_explorative_s16
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 17 --folder artifacts/gate_explorative_s17
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 18 --folder artifacts/gate_naive_s18
 
 Rules (each fixed before its runs):
 - setting 15 (addendum 19, `gate_explorative.yaml`, 500 steps): passes if the RL adapter's training-stream reward
@@ -14,6 +16,8 @@ Rules (each fixed before its runs):
   accuracy at the last test step (999) is at least the bootstrap's + 0.05.
 - setting 17 (addendum 31, gate E17, `gate_explorative_s17.yaml`, 1000 steps): passes if the RL adapter's test
   accuracy at step 999 is at least the bootstrap's + 0.125 (setting 16's +0.095 on the same seed, plus 0.03).
+- setting 18 (addendum 32, gate N18, `gate_naive_s18.yaml`, 1000 steps, naive): passes if the RL adapter's naive
+  test accuracy at step 999 is at least the bootstrap's + 0.10.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from collect import read_results, write_results
 from collect_gate2 import final, seed_row
 
 # setting -> (least training-stream reward gain, least test-accuracy gain at the last test step); None: not a term
-RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125)}
+RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None, 0.10)}
+# setting -> the strategy its development gate measures (explorative unless named)
+STRATEGY = {"18": "naive"}
 
 
 def decision(runs: dict, setting: str = "15") -> dict:
     """The numbers of `setting`'s rule (RULES) and the verdict ('pending' until both runs are in)."""
     min_train_gain, min_test_gain = RULES[setting]
-    trained, start = runs.get("trained-explorative"), runs.get("start-explorative")
+    strategy = STRATEGY.get(setting, "explorative")
+    trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
     if trained is None or start is None:
         return {"verdict": "pending"}
     train_gain = round(trained["train_accuracy"] - start["train_accuracy"], 4)
@@ -47,15 +54,17 @@ def decision(runs: dict, setting: str = "15") -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--setting", required=True, choices=sorted(RULES),
+    parser.add_argument("--setting", required=True, choices=sorted(RULES, key=int),
                         help="the setting whose adapter the runs evaluated (its pre-registered rule)")
     parser.add_argument("--folder", type=Path, required=True, help="the evaluate stage's output folder")
     args = parser.parse_args()
     results = read_results()
     row = seed_row(args.folder)
-    config = json.loads(next((args.folder / "runs").glob("*-explorative/config.json")).read_text())
+    strategy = STRATEGY.get(args.setting, "explorative")
+    config = json.loads(next((args.folder / "runs").glob(f"*-{strategy}/config.json")).read_text())
     seed = config["icrl_eval"]["seed"]
-    results.setdefault("gate_e", {})[args.setting] = {"seed": seed, **row, "decision": decision(row["runs"], args.setting)}
+    results.setdefault("gate_e", {})[args.setting] = {"seed": seed, "strategy": strategy, **row,
+                                                      "decision": decision(row["runs"], args.setting)}
     write_results(results)
     d = results["gate_e"][args.setting]["decision"]
     print(f"setting {args.setting} gate E (seed {seed}): {d}")

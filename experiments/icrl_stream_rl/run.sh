@@ -15,6 +15,9 @@
 #   s17           setting 17 (addendum 31): setting 16 continued from its kept adapter, 40 iterations on fresh draws
 #                 with one redraw of a uniform group, then gate E17 (seed 7, explorative, 1000 steps) and its probe
 #   s17-gate2-SEED-STRATEGY, s17-forgetting  as for s15, for setting 17 (only if gate E17 passes)
+#   s18           setting 18 (addendum 32): RLOO on naive-view streams after a shared burn-in at temperature 1.0,
+#                 then gate N18 (seed 7, naive, 1000 steps) and its probe
+#   s18-gate2-SEED-STRATEGY, s18-forgetting  as for s15, for setting 18 (only if gate N18 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
@@ -70,7 +73,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [ablation_ppo]=runs/ablation-ppo/probe.json [ablation_grpo]=runs/ablation-grpo/probe.json
                   [ablation_rloo]=runs/ablation-rloo/probe.json [ablation_dpo_rank]=runs/ablation-dpo_rank/probe.json
                   [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json
-                  [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json)
+                  [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json
+                  [naive_burn_in]=runs/s18/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -153,7 +157,8 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 }
 
 # The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
-declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more)
+declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
+                         [18]=naive_burn_in)
 
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
@@ -172,7 +177,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by
 }
 
 for target in "$@"; do
-    case "$target" in s14|s1[5-7]|s1[5-7]-*|ablation-*|cd-*) unpark ;; esac
+    case "$target" in s14|s1[5-8]|s1[5-8]-*|ablation-*|cd-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -193,10 +198,10 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
-        s1[5-7]-gate2-*)
+        s1[5-8]-gate2-*)
             setting=${target:1:2}
             gate2_part "$setting" "${SETTING_OUTPUT[$setting]}" "$target" || exit 1 ;;
-        s1[5-7]-forgetting)
+        s1[5-8]-forgetting)
             output=${SETTING_OUTPUT[${target:1:2}]}
             restore_kept "$output" "artifacts/$output/adapter" || exit 1
             forgetting "artifacts/$output/adapter" "runs/${target%-forgetting}/forgetting.json" ;;
@@ -214,6 +219,12 @@ for target in "$@"; do
             step "gate E17" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml \
                 -c $E/gate_explorative_s17.yaml
             probe artifacts/burn_in_streams_more/adapter runs/s17/probe.json ;;
+        s18)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained naive_burn_in || step s18 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/naive_burn_in.yaml
+            step "gate N18" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_naive_s18.yaml
+            probe artifacts/naive_burn_in/adapter runs/s18/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -247,6 +258,7 @@ for target in "$@"; do
         *)
             echo "run.sh: unknown target '$target' (bootstrap, s14, s15, s15-gate2-SEED-STRATEGY, s15-forgetting," \
                  "s16, s16-gate2-SEED-STRATEGY, s16-forgetting, s17, s17-gate2-SEED-STRATEGY, s17-forgetting," \
+                 "s18, s18-gate2-SEED-STRATEGY, s18-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, park)" >&2
             exit 2 ;;
     esac

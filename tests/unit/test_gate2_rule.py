@@ -78,6 +78,12 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     # setting 17's gate E17 (addendum 31): setting 16's +0.095 on the same seed plus three points
     assert gate_e.decision(runs(0.0, 0.125), "17")["verdict"] == "passed"
     assert gate_e.decision(runs(0.10, 0.12), "17")["verdict"] == "failed"
+    # setting 18's gate N18 (addendum 32): ten points of naive test accuracy at the last step
+    naive = {name.replace("explorative", "naive"): run for name, run in runs(0.0, 0.10).items()}
+    assert gate_e.decision(naive, "18")["verdict"] == "passed"
+    naive["trained-naive"]["test_accuracy"]["499"] -= 0.001
+    assert gate_e.decision(naive, "18")["verdict"] == "failed"
+    assert gate_e.decision(runs(0.0, 0.50), "18")["verdict"] == "pending"  # explorative runs do not count
 
 
 def test_a_seed_run_in_parts_is_one_seed():

@@ -433,7 +433,7 @@ class StreamConfig(Section):
 
     @model_validator(mode="after")
     def _burn_in_options_need_a_burn_in(self) -> StreamConfig:
-        # without burn-in queries there is nothing to share: the option would be silently ignored
+        # without burn-in queries there is nothing to share or sample: the options would be silently ignored
         if self.shared_burn_in and not self.burn_in:
             raise ValueError("shared_burn_in=true shares the burn-in queries of a group, and burn_in is 0: set "
                              "burn_in to the queries answered before the trained steps, or shared_burn_in=false")

@@ -38,10 +38,14 @@ RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None
 STRATEGY = {"18": "naive"}
 
 
+def gate_strategy(setting: str) -> str:
+    return STRATEGY.get(setting, "explorative")
+
+
 def decision(runs: dict, setting: str = "15") -> dict:
     """The numbers of `setting`'s rule (RULES) and the verdict ('pending' until both runs are in)."""
     min_train_gain, min_test_gain = RULES[setting]
-    strategy = STRATEGY.get(setting, "explorative")
+    strategy = gate_strategy(setting)
     trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
     if trained is None or start is None:
         return {"verdict": "pending"}
@@ -60,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     results = read_results()
     row = seed_row(args.folder)
-    strategy = STRATEGY.get(args.setting, "explorative")
+    strategy = gate_strategy(args.setting)
     config = json.loads(next((args.folder / "runs").glob(f"*-{strategy}/config.json")).read_text())
     seed = config["icrl_eval"]["seed"]
     results.setdefault("gate_e", {})[args.setting] = {"seed": seed, "strategy": strategy, **row,

@@ -35,6 +35,8 @@
 #                 target first restores what is parked, so the next session's run resumes: the stage from its
 #                 checkpoint (the fingerprint in the folder name only matches the same settings), a trained stage is
 #                 not trained again, an evaluation goes on from its log. Delete the parked folder once its run ends
+# A training target whose adapter is kept in the repository (adapters/<output_dir>, checked against its SHA256SUMS)
+# restores it instead of training again; RETRAIN=1 trains it again (into artifacts/, the kept copy untouched).
 # Outputs: artifacts/<setting's output_dir>, runs/<target>/probe.json, runs/<target>/forgetting.json; collect them
 # with collect.py / collect_gate_e.py (REPORT.md). Each step is retried twice: a stage killed mid-run (Ray's memory
 # monitor, a crash) resumes from its last checkpoint. A session's files may end with it: a run that does not fit in
@@ -171,7 +173,12 @@ gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's 
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
 }
 
-trained() {  # trained OUTPUT_DIR: its adapter is there (trained, or restored by unpark), so no training again
+trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by unpark, or the copy kept in
+            # adapters/OUTPUT_DIR restored now unless RETRAIN=1), so no training again
+    if [[ ! -f artifacts/$1/adapter/adapter_model.safetensors && -f $E/adapters/$1/SHA256SUMS && ${RETRAIN:-0} != 1 ]]
+    then
+        restore_kept "$1" "artifacts/$1/adapter" || exit 1
+    fi
     [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] || return 1
     echo "== artifacts/$1/adapter is there: not trained again"
 }

@@ -44,9 +44,9 @@ def _calls(project: Path) -> list[str]:
     return (project / ".venv" / "bin" / "calls.log").read_text().splitlines()
 
 
-def _run(project: Path, *targets: str) -> subprocess.CompletedProcess:
+def _run(project: Path, *targets: str, **env: str) -> subprocess.CompletedProcess:
     result = subprocess.run(["bash", str(project / SCRIPT), *targets], cwd=project, capture_output=True, text=True,
-                            check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", "")})
+                            check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", ""), **env})
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -201,3 +201,16 @@ def test_setting_17_continues_setting_16s_kept_adapter_then_runs_its_gate_e(proj
     _kept(project, "burn_in_streams_more")  # gate 2 evaluates the adapter kept in the repository
     _run(project, "s17-gate2-100-explorative")
     assert "evaluate.adapter=artifacts/burn_in_streams_more/adapter" in _calls(project)[-1]
+
+
+def test_a_training_target_restores_its_kept_adapter_instead_of_training_unless_retrain(project):
+    _kept(project, "bootstrap_h32")
+    _kept(project, "burn_in_streams")
+    _run(project, "s16")
+    gate, probe = _calls(project)  # no `stage ppo`: the kept adapter is the trained one
+    assert gate.startswith("stage evaluate ") and probe.startswith("probe-feedback ")
+    restored = project / "artifacts" / "burn_in_streams" / "adapter" / "adapter_model.safetensors"
+    assert restored.read_text() == "burn_in_streams adapter_model.safetensors"
+    shutil.rmtree(project / "artifacts" / "burn_in_streams")
+    _run(project, "s16", RETRAIN="1")
+    assert _calls(project)[2].startswith("stage ppo ")  # trained again (the stand-in writes no adapter)

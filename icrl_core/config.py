@@ -384,6 +384,24 @@ class ExplorativeStreamContext(Section):
 StreamContext = Annotated[NaiveStreamContext | ExplorativeStreamContext, Field(discriminator="kind")]
 
 
+class StreamTestReward(Section):
+    """The end of a stream rewarded by what its context is worth: the expected accuracy, under the policy that
+    made it, on held-out queries of the stream's task answered after its last step with the context its view shows
+    there (the evaluation's test accuracy in miniature; icrl_core/streams.py `context_values`)."""
+
+    queries: Annotated[int, Field(ge=0, le=256, description="Held-out queries of each group's task (drawn with "
+                                  "its stream queries, from the same pool, none of them a stream query while the "
+                                  "pool lasts) scored after each stream's last step (0: off). ppo stage only.")] = 0
+    weight: Annotated[float, Field(ge=0, description="w in r'_T = r_T + w * v: the mean probability of the gold "
+                                   "label over the held-out queries (v, in [0, 1]) added to the reward of each "
+                                   "stream's last step, so the return credits the answers that made the context "
+                                   "worth more. 0 measures v (`test_value`, `val_test_value`) without "
+                                   "rewarding it.")] = 1.0
+    temperature: Annotated[float, Field(gt=0, description="The temperature of the constrained decoding whose "
+                                        "gold-label probability is v (the harness tests at icrl_eval."
+                                        "test_temperature, 1.0 in the skill recipe).")] = 1.0
+
+
 class StreamConfig(Section):
     """ppo.mode=stream (icrl_core/streams.py): each rollout is an in-context RL stream of `steps` queries of a
     few-way task drawn from data.sources like a bootstrap episode (data.labels_per_episode, data.permute_labels),
@@ -424,6 +442,9 @@ class StreamConfig(Section):
     context: StreamContext = Field(default_factory=NaiveStreamContext, description="Which past steps a step "
                                    "sees (the evaluation strategy the streams train under): naive (all, the "
                                    "default) or explorative (rewarded ones, each kept with probability p_keep).")
+    test_reward: StreamTestReward = Field(default_factory=StreamTestReward, description="The end of each stream "
+                                          "rewarded by its context's expected accuracy on held-out queries of its "
+                                          "task (off by default).")
     engine: Annotated[Literal["policy", "inference"], Field(
         description="What decodes the rollouts: policy (the trained model's own KV cache, the default) or "
                     "inference (the engine `inference.backend` names: torch, the exact reference, the same answers "
@@ -668,6 +689,10 @@ class DPOConfig(OptimFields):
         if self.stream.redraws:
             raise ValueError("dpo.stream.redraws: the mined streams are not trained by a group objective; redraws "
                              "is a ppo-stage option (ppo.stream.redraws), set dpo.stream.redraws=0")
+        if self.stream.test_reward.queries:
+            raise ValueError("dpo.stream.test_reward: the mined streams' pairs come from their steps' rewards; the "
+                             "test reward is a ppo-stage option (ppo.stream.test_reward), set "
+                             "dpo.stream.test_reward.queries=0")
         return self
 
 

@@ -122,6 +122,17 @@ def distillation_rewards(rewards: torch.Tensor, teacher_logp: torch.Tensor, stud
     return shaped.detach() * mask.to(rewards.dtype)
 
 
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, weight: float) -> torch.Tensor:
+    """r'_{b,t} = r_{b,t} + weight * v_b [t = T_b - 1], T_b the number of valid steps of stream b: a value of what
+    the whole stream produced (StreamTestReward: its context's expected test accuracy) paid at its last step, so
+    the discounted return credits every step before it. rewards, mask (B, T), values (B,) -> (B, T), 0 where mask
+    is False."""
+    maskf = mask.to(rewards.dtype)
+    last = (maskf.sum(1).long() - 1).clamp(min=0)
+    terminal = torch.zeros_like(rewards).scatter(1, last[:, None], (weight * values.to(rewards.dtype))[:, None])
+    return (rewards + terminal * maskf) * maskf
+
+
 def _group_columns(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mask as float, count n_t of valid streams per step, sum over streams) of a group's (G, T) returns."""
     maskf = mask.to(returns.dtype)

@@ -45,6 +45,7 @@ from icrl_core.objectives import (
     policy_gradient_loss,
     rloo_advantages,
     step_to_tokens,
+    terminal_rewards,
     whiten,
 )
 from icrl_core.ppo import (
@@ -61,6 +62,7 @@ from icrl_core.streams import (
     StreamBatch,
     StreamTask,
     collate_streams,
+    context_values,
     generate_streams,
     sample_stream_task,
     stream_outputs,
@@ -277,7 +279,8 @@ def stream_tasks(sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration
     group): what a rollout actor needs besides the policy (icrl_core/async_rollouts.py)."""
     key = draw_key(cfg, iteration)
     queries = cfg.stream.burn_in + cfg.stream.steps
-    return [(group, sample_stream_task(sources, data, queries, seed, f"{split}-{key}-{group}", split))
+    return [(group, sample_stream_task(sources, data, queries, seed, f"{split}-{key}-{group}", split,
+                                       cfg.stream.test_reward.queries))
             for group in groups]
 
 
@@ -323,7 +326,8 @@ class RolloutEngine:
 def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConfig, seed: int, iteration: int,
                    max_tokens: int, engine: RolloutEngine | None = None, redraw: int = 0) -> list[Stream]:
     """The `group_size` streams of each (group, task), draws by (seed, draw_key, group, stream, redraw); decoded
-    by `engine` when given (one engine version for all of them), else by the policy's own KV cache."""
+    by `engine` when given (one engine version for all of them), else by the policy's own KV cache. With
+    ppo.stream.test_reward.queries each stream's `test_value` is measured (by the policy, after the rollout)."""
     with engine.serving(policy) if engine is not None else contextlib.nullcontext((None, None)) as (served, adapter):
         streams: list[Stream] = []
         for group, task in tasks:
@@ -332,6 +336,8 @@ def roll_out_tasks(policy, tasks: Sequence[tuple[int, StreamTask]], cfg: PPOConf
             streams += generate_streams(policy, task, rngs, cfg.temperature, group, max_tokens, cfg.stream.context,
                                         served, adapter, cfg.stream.burn_in, cfg.stream.shared_burn_in,
                                         cfg.stream.burn_in_temperature)
+    if cfg.stream.test_reward.queries:
+        context_values(policy, streams, cfg.stream.test_reward.temperature)
     return streams
 
 
@@ -344,9 +350,10 @@ def roll_out(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, itera
 
 
 def uniform_group(streams: Sequence[Stream]) -> bool:
-    """Every stream of a group earned the same reward at every step: equal returns at each step, so the group
-    baseline leaves no advantage to any decision (DAPO's zero-variance group)."""
-    return all(s.rewards == streams[0].rewards for s in streams[1:])
+    """Every stream of a group earned the same reward at every step (and, when measured, the same test value):
+    equal returns at each step, so the group baseline leaves no advantage to any decision (DAPO's zero-variance
+    group)."""
+    return all(s.rewards == streams[0].rewards and s.test_value == streams[0].test_value for s in streams[1:])
 
 
 def redraw_uniform_groups(policy, sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration: int,
@@ -367,7 +374,8 @@ def redraw_uniform_groups(policy, sources, data: DataConfig, cfg: PPOConfig, see
         for redraw in range(1, cfg.stream.redraws + 1):
             if not uniform_group(members):
                 break
-            task = sample_stream_task(sources, data, queries, seed, f"train-{key}-{group}-redraw{redraw}", "train")
+            task = sample_stream_task(sources, data, queries, seed, f"train-{key}-{group}-redraw{redraw}", "train",
+                                      cfg.stream.test_reward.queries)
             members = roll_out_tasks(policy, [(group, task)], cfg, seed, iteration, max_tokens, engine, redraw)
             redrawn += 1
         kept += members
@@ -385,12 +393,14 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
     switches = [s.steps[t + 1].record.prediction != s.steps[t].record.prediction
                 for s in streams for t in range(len(s.steps) - 1) if not s.steps[t].record.reward]
     probs = [float(torch.tensor(step.logp).exp()) for s in streams for step in s.steps]
+    tested = [s.test_value for s in streams if s.test_value is not None]
     return {
         "mean_reward": sum(rewards) / len(rewards),
         "reward_first_half": sum(first) / max(len(first), 1),
         "reward_second_half": sum(second) / max(len(second), 1),
         "switch_after_wrong": sum(switches) / len(switches) if switches else float("nan"),
         "answer_prob": sum(probs) / len(probs),
+        **({"test_value": sum(tested) / len(tested)} if tested else {}),
     }
 
 
@@ -405,7 +415,8 @@ def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: in
     return {"val_accuracy": stats["mean_reward"], "val_reward": stats["mean_reward"],
             "val_reward_first_half": stats["reward_first_half"],
             "val_reward_second_half": stats["reward_second_half"],
-            "val_switch_after_wrong": stats["switch_after_wrong"]}
+            "val_switch_after_wrong": stats["switch_after_wrong"],
+            **({"val_test_value": stats["test_value"]} if "test_value" in stats else {})}
 
 
 def distilled(policy, streams: Sequence[Stream], batch: StreamBatch, cfg: PPOConfig
@@ -458,6 +469,10 @@ def learn_from_streams(policy, optimizer, scheduler, streams: Sequence[Stream], 
     batch = collate_streams(streams, policy.tokenizer.pad_token_id)
     task_rewards = batch.rewards
     distill_metrics = {}
+    if cfg.stream.test_reward.queries and cfg.stream.test_reward.weight > 0:
+        values = torch.tensor([s.test_value for s in streams], dtype=batch.rewards.dtype)
+        batch = dataclasses.replace(batch, rewards=terminal_rewards(batch.rewards, batch.step_mask, values,
+                                                                     cfg.stream.test_reward.weight))
     if cfg.distill.active:
         batch, distill_metrics = distilled(policy, streams, batch, cfg)
     prepared = prepare_streams(policy, batch, cfg, beta, off_policy=off_policy)

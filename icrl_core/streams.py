@@ -69,20 +69,22 @@ STREAM_VIEW = Show(system_with_feedback=True, answer="prediction", feedback=True
 
 @dataclass(frozen=True)
 class StreamTask:
-    """The task of a group of streams: its candidate labels (the trie), template and the T queries in order."""
+    """The task of a group of streams: its candidate labels (the trie), template and the T queries in order;
+    `tests`: held-out queries of the same labels scored after the streams' last step (`context_values`)."""
 
     name: str
     labels: tuple[str, ...]
     template: PromptTemplate
     queries: tuple[Example, ...]
+    tests: tuple[Example, ...] = ()
 
 
 def sample_stream_task(sources: Sequence[ResolvedSource], data: DataConfig, steps: int, seed: int, key: str,
-                       split: str = "train") -> StreamTask:
+                       split: str = "train", tests: int = 0) -> StreamTask:
     """A task for one group, drawn like a bootstrap episode: a source by weight, its label subset
     (`episode_labels`: all labels, or `data.labels_per_episode`), a label renaming with `data.permute_labels`,
-    then `steps` queries of those labels from the split's pool (without replacement while the pool lasts).
-    Deterministic in (seed, key)."""
+    then `steps` queries of those labels from the split's pool, and after them `tests` held-out ones (all without
+    replacement while the pool lasts). Deterministic in (seed, key); tests=0 draws what it always drew."""
     tasks = [s for s in sources if s.task is not None]
     if not tasks:
         raise UserError("stream rollouts need a task or synthetic source in data.sources (file sources carry no "
@@ -96,11 +98,12 @@ def sample_stream_task(sources: Sequence[ResolvedSource], data: DataConfig, step
     pool = [e for e in source.pools[split] if e.label in allowed]
     if not pool:
         raise UserError(f"task '{task.name}': its {split} split has no example of the labels {subset}")
-    picks = rng.sample(range(len(pool)), steps) if len(pool) >= steps else [rng.randrange(len(pool))
-                                                                            for _ in range(steps)]
-    queries = tuple(Example(pool[i].text, rename.get(pool[i].label, pool[i].label)) for i in picks)
+    wanted = steps + tests
+    picks = rng.sample(range(len(pool)), wanted) if len(pool) >= wanted else [rng.randrange(len(pool))
+                                                                              for _ in range(wanted)]
+    drawn = tuple(Example(pool[i].text, rename.get(pool[i].label, pool[i].label)) for i in picks)
     labels = tuple(rename.get(label, label) for label in subset)
-    return StreamTask(task.name, labels, task.template, queries)
+    return StreamTask(task.name, labels, task.template, drawn[:steps], drawn[steps:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,6 +150,12 @@ class Stream:
     # the leading queries of task.queries answered before the steps (ppo.stream.burn_in): their episodes are in
     # the steps' contexts, the steps are task.queries[burn_in:]
     burn_in: int = 0
+    # every episode of the stream, burned-in ones included, and which of them its view shows after the last step
+    # (naive: all; explorative: its selector's draw there): the context its held-out test queries see
+    history: list[EpisodeRecord] = field(default_factory=list)
+    shown_at_end: list[int] = field(default_factory=list)
+    # the expected accuracy of that context on task.tests (`context_values`); None: not measured
+    test_value: float | None = None
 
     @property
     def rewards(self) -> list[float]:
@@ -361,7 +370,54 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
                 sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]
-    return [Stream(task, group, sequences[g], steps[g], burn_in) for g in range(n)]
+    end = len(task.queries)
+    shown = [list(range(len(histories[g]))) if selectors is None else selectors[g].select(histories[g], end)
+             for g in range(n)]
+    return [Stream(task, group, sequences[g], steps[g], burn_in, histories[g], shown[g]) for g in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a stream's context is worth (ppo.stream.test_reward)
+
+
+@torch.no_grad()
+def context_values(policy, streams: Sequence[Stream], temperature: float) -> list[float]:
+    """v of each stream: the mean, over its task's held-out queries x_j (task.tests, gold y_j), of
+
+        v = 1/M sum_j pi(y_j | c_end, x_j)
+
+    where c_end is the context the stream's view shows after its last step (`Stream.shown_at_end`, rendered as the
+    steps' contexts are) and pi the constrained decoding at `temperature` (`path_logprob`): the expected test
+    accuracy of that context, as the harness measures it, under the policy as it is now. Each stream's context is
+    scored once and shared by its M queries (the exact torch engine's prefix cache). Sets `stream.test_value`."""
+    from icrl_core.inference.base import TrieRequest
+    from icrl_core.inference.torch_backend import TorchEngine
+
+    if not streams or not streams[0].task.tests:
+        raise ValueError("context_values needs streams whose task has held-out tests "
+                         "(ppo.stream.test_reward.queries)")
+    policy.eval()
+    tokens: Tokens = policy.tokens
+    engine = TorchEngine(policy)
+    values = []
+    try:
+        for stream in streams:
+            task = stream.task
+            labels = list(task.labels)
+            answers = candidate_sequences(tokens, task.template, labels)
+            trie = LabelTrie.build(answers)
+            shown = [stream.history[i] for i in stream.shown_at_end]
+            context, user_open = render_context(tokens, task.template, shown, STREAM_VIEW)
+            requests = [TrieRequest(tuple(context) + tuple(render_query(tokens, task.template, test.text, user_open)),
+                                    trie, shared_length=len(context)) for test in task.tests]
+            scores = engine.trie_logprobs(requests)
+            probs = [math.exp(path_logprob(trie, scores[j], answers[labels.index(test.label)], temperature))
+                     for j, test in enumerate(task.tests)]
+            stream.test_value = sum(probs) / len(probs)
+            values.append(stream.test_value)
+    finally:
+        engine.close()
+    return values
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -204,6 +204,18 @@ def test_pairwise_rank_loss_by_hand():
                                                  -0.5 * torch.sigmoid(T(1.0)).item() / 2], abs=1e-6)
 
 
+def test_terminal_rewards_pay_the_value_at_each_streams_last_step():
+    from icrl_core.objectives import discounted_returns, terminal_rewards
+
+    rewards = T([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    mask = T([[True, True, True], [True, True, False]])  # the second stream has 2 steps
+    out = terminal_rewards(rewards, mask, T([0.5, 0.25]), weight=2.0)
+    assert torch.equal(out, T([[1.0, 0.0, 2.0], [0.0, 1.5, 0.0]]))
+    # the return credits every earlier step with the discounted value: 0.5 * 1.5 at the second stream's first
+    assert torch.allclose(discounted_returns(out, mask, 0.5)[1], T([0.75, 1.5, 0.0]))
+    assert torch.equal(terminal_rewards(rewards, mask, T([0.5, 0.25]), weight=0.0), rewards * mask)
+
+
 def test_distillation_rewards_by_hand():
     from icrl_core.objectives import distillation_rewards
 

@@ -164,6 +164,39 @@ def test_skipped_passes_give_the_same_advantages(policy):
     fresh(policy)
 
 
+def test_the_test_reward_pays_each_streams_context_value_at_its_last_step(policy):
+    """ppo.stream.test_reward: every stream's test value is measured after the rollout (training and validation),
+    added (x weight) to its last step's reward, and the update moves the adapter; weight 0 measures without
+    rewarding; the dpo stage refuses the option."""
+    from pydantic import ValidationError
+
+    from icrl_core.stream_rl import evaluate_streams, roll_out
+
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, epochs=1, minibatch_size=3, batch_size=6,
+                    stream={"steps": 3, "group_size": 3, "groups": 2, "test_reward": {"queries": 4, "weight": 2.0}},
+                    learning_rate=1e-2, kl_beta=0.0, temperature=1.0)
+    sources = resolve_sources(DATA, 0)
+    fresh(policy)
+    streams = roll_out(policy, sources, DATA, cfg, 0, 1, range(2), "train", 2048)
+    assert all(len(s.task.tests) == 4 and 0 < s.test_value < 1 for s in streams)
+    value = sum(s.test_value for s in streams) / len(streams)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    metrics = stream_step(policy, optimizer, scheduler, sources, DATA, cfg, 0.0, 0, 1, iteration_generator(0, 1),
+                          2048)
+    assert metrics["test_value"] == pytest.approx(value)  # the same draws: the same streams and values
+    assert metrics["task_accuracy"] == pytest.approx(metrics["mean_reward"])  # the task's reward, unshaped
+    # the return at the first step: r_1 + r_2 + r_3 + 2 v (gamma 1), averaged over the streams
+    assert metrics["return_mean"] > metrics["mean_reward"]
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    val = evaluate_streams(policy, sources, DATA, cfg.model_copy(update={"stream": cfg.stream.model_copy(
+        update={"eval_groups": 1})}), 0, 2048)
+    assert 0 < val["val_test_value"] < 1
+    with pytest.raises(ValidationError, match="test reward is a ppo-stage option"):
+        DPOConfig(stream={"test_reward": {"queries": 2}})
+
+
 def test_stream_statistics_by_hand():
     from icrl_core.icrl_eval import EpisodeRecord
     from icrl_core.stream_rl import stream_statistics

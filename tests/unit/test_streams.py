@@ -18,6 +18,7 @@ from icrl_core.streams import (
     STREAM_VIEW,
     TEACHER_VIEW,
     collate_streams,
+    context_values,
     generate_streams,
     mine_preference_pairs,
     sample_stream_task,
@@ -461,3 +462,39 @@ def test_explorative_contexts_keep_the_harness_window_cap(policy, task):
     for stream in capped:
         for t in range(len(stream.steps)):
             assert shown(stream, t) <= cap and len(stream.context_ids(t)) < window
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a stream's context is worth (ppo.stream.test_reward)
+
+
+@pytest.mark.parametrize("context", [None, ExplorativeStreamContext(p_keep=0.6)], ids=["naive", "explorative"])
+def test_a_streams_test_value_is_the_harness_expected_accuracy_of_its_last_context(policy, context):
+    """context_values: held-out queries drawn after the stream's (same labels, none of them a stream query), each
+    scored after the context the stream's view shows after its last step (naive: every episode, burned-in ones
+    included; explorative: its selector's draw of the rewarded ones); v is the mean harness p(gold) there."""
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3,
+                      labels_per_episode_min=2)
+    sources = resolve_sources(data, seed=0)
+    task = sample_stream_task(sources, data, STEPS, seed=0, key="group-0", tests=5)
+    assert sample_stream_task(sources, data, STEPS, seed=0, key="group-0").tests == ()
+    assert len(task.tests) == 5 and {t.label for t in task.tests} <= set(task.labels)
+    assert not {t.text for t in task.tests} & {q.text for q in task.queries}
+    streams = generate_streams(policy, task, [stream_rng(0, 3, 0, g) for g in range(2)], temperature=1.5,
+                               context=context, burn_in=2, shared_burn_in=True)
+    values = context_values(policy, streams, temperature=1.0)
+    predictor = Predictor(policy, policy.tokens, task.template, list(task.labels), PrefixCache(policy), 1.0)
+    for stream, value in zip(streams, values, strict=True):
+        assert len(stream.history) == STEPS and stream.test_value == value and 0 < value < 1
+        if context is None:
+            assert stream.shown_at_end == list(range(STEPS))
+        else:
+            assert all(stream.history[i].reward for i in stream.shown_at_end)
+        shown = [stream.history[i] for i in stream.shown_at_end]
+        ids, user_open = render_context(policy.tokens, task.template, shown, STREAM_VIEW)
+        expected = [label_distribution(predictor, ids, user_open, t.text, 1.0)[list(task.labels).index(t.label)]
+                    for t in task.tests]
+        assert value == pytest.approx(sum(expected) / len(expected), abs=2e-4)
+    with pytest.raises(ValueError, match="held-out tests"):
+        context_values(policy, generate_streams(policy, sample_stream_task(sources, data, 2, 0, "g"),
+                                             [stream_rng(0, 0, 0, 0)], temperature=1.0), temperature=1.0)

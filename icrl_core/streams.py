@@ -151,7 +151,8 @@ class Stream:
     # the steps' contexts, the steps are task.queries[burn_in:]
     burn_in: int = 0
     # every episode of the stream, burned-in ones included, and which of them its view shows after the last step
-    # (naive: all; explorative: its selector's draw there): the context its held-out test queries see
+    # (naive: all; explorative: the group's first stream's selector's draw there, the same draw for the whole
+    # group): the context its held-out test queries see
     history: list[EpisodeRecord] = field(default_factory=list)
     shown_at_end: list[int] = field(default_factory=list)
     # the expected accuracy of that context on task.tests (`context_values`); None: not measured
@@ -370,8 +371,10 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
                 sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]
+    # what each view shows after the last step; explorative: one draw for the whole group (the first stream's
+    # selector), so the group's contexts there differ by their answers, not by their draws (common random numbers)
     end = len(task.queries)
-    shown = [list(range(len(histories[g]))) if selectors is None else selectors[g].select(histories[g], end)
+    shown = [list(range(len(histories[g]))) if selectors is None else selectors[0].select(histories[g], end)
              for g in range(n)]
     return [Stream(task, group, sequences[g], steps[g], burn_in, histories[g], shown[g]) for g in range(n)]
 

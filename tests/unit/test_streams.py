@@ -488,8 +488,9 @@ def test_a_streams_test_value_is_the_harness_expected_accuracy_of_its_last_conte
         assert len(stream.history) == STEPS and stream.test_value == value and 0 < value < 1
         if context is None:
             assert stream.shown_at_end == list(range(STEPS))
-        else:
+        else:  # rewarded episodes only, one draw for the group: the shared burn-in's part is the same
             assert all(stream.history[i].reward for i in stream.shown_at_end)
+            assert [i for i in stream.shown_at_end if i < 2] == [i for i in streams[0].shown_at_end if i < 2]
         shown = [stream.history[i] for i in stream.shown_at_end]
         ids, user_open = render_context(policy.tokens, task.template, shown, STREAM_VIEW)
         expected = [label_distribution(predictor, ids, user_open, t.text, 1.0)[list(task.labels).index(t.label)]

@@ -386,8 +386,9 @@ StreamContext = Annotated[NaiveStreamContext | ExplorativeStreamContext, Field(d
 
 class StreamTestReward(Section):
     """The end of a stream rewarded by what its context is worth: the expected accuracy, under the policy that
-    made it, on held-out queries of the stream's task answered after its last step with the context its view shows
-    there (the evaluation's test accuracy in miniature; icrl_core/streams.py `context_values`)."""
+    made it, on held-out queries of the stream's task answered after its last step with its context there (naive:
+    every episode; explorative: every rewarded one) (the evaluation's test accuracy in miniature;
+    icrl_core/streams.py `context_values`)."""
 
     queries: Annotated[int, Field(ge=0, le=256, description="Held-out queries of each group's task (drawn with "
                                   "its stream queries, from the same pool, none of them a stream query while the "

@@ -150,9 +150,8 @@ class Stream:
     # the leading queries of task.queries answered before the steps (ppo.stream.burn_in): their episodes are in
     # the steps' contexts, the steps are task.queries[burn_in:]
     burn_in: int = 0
-    # every episode of the stream, burned-in ones included, and which of them its view shows after the last step
-    # (naive: all; explorative: the group's first stream's selector's draw there, the same draw for the whole
-    # group): the context its held-out test queries see
+    # every episode of the stream, burned-in ones included, and the context its held-out test queries see after
+    # the last step (naive: every episode; explorative: every rewarded one, at most the window cap)
     history: list[EpisodeRecord] = field(default_factory=list)
     shown_at_end: list[int] = field(default_factory=list)
     # the expected accuracy of that context on task.tests (`context_values`); None: not measured
@@ -371,10 +370,12 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
                 sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]
-    # what each view shows after the last step; explorative: one draw for the whole group (the first stream's
-    # selector), so the group's contexts there differ by their answers, not by their draws (common random numbers)
+    # what each view shows after the last step; explorative: every rewarded episode (p_keep 1, at most the window
+    # cap), so the group's contexts there differ by their answers and not by p_keep's draws
     end = len(task.queries)
-    shown = [list(range(len(histories[g]))) if selectors is None else selectors[0].select(histories[g], end)
+    every_rewarded = (Explorative(max_examples=cap, seed=selectors[0].seed, p_keep=1.0) if selectors is not None
+                      else None)
+    shown = [list(range(len(histories[g]))) if selectors is None else every_rewarded.select(histories[g], end)
              for g in range(n)]
     return [Stream(task, group, sequences[g], steps[g], burn_in, histories[g], shown[g]) for g in range(n)]
 
@@ -389,8 +390,8 @@ def context_values(policy, streams: Sequence[Stream], temperature: float) -> lis
 
         v = 1/M sum_j pi(y_j | c_end, x_j)
 
-    where c_end is the context the stream's view shows after its last step (`Stream.shown_at_end`, rendered as the
-    steps' contexts are) and pi the constrained decoding at `temperature` (`path_logprob`): the expected test
+    where c_end is the stream's context after its last step (`Stream.shown_at_end`: naive every episode,
+    explorative every rewarded one, rendered as the steps' contexts are) and pi the constrained decoding at `temperature` (`path_logprob`): the expected test
     accuracy of that context, as the harness measures it, under the policy as it is now. Each stream's context is
     scored once and shared by its M queries (the exact torch engine's prefix cache). Sets `stream.test_value`."""
     from icrl_core.inference.base import TrieRequest

@@ -214,3 +214,16 @@ def test_a_training_target_restores_its_kept_adapter_instead_of_training_unless_
     shutil.rmtree(project / "artifacts" / "burn_in_streams")
     _run(project, "s16", RETRAIN="1")
     assert _calls(project)[2].startswith("stage ppo ")  # trained again (the stand-in writes no adapter)
+
+
+def test_setting_19_trains_setting_15s_recipe_with_the_test_reward_then_runs_its_gate_e(project):
+    _kept(project, "bootstrap_h32")
+    _run(project, "s19")
+    train, gate, probe = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/explorative_streams.yaml "
+                                                              "-c experiments/icrl_stream_rl/test_reward_streams.yaml")
+    assert gate.startswith("stage evaluate ") and gate.endswith("gate_explorative_s19.yaml")
+    assert probe.startswith("probe-feedback ") and "artifacts/test_reward_streams/adapter" in probe
+    _kept(project, "test_reward_streams")  # gate 2 evaluates the adapter kept in the repository
+    _run(project, "s19-gate2-101-explorative")
+    assert "evaluate.output_dir=artifacts/gate2_s19/seed101-explorative" in _calls(project)[-1]

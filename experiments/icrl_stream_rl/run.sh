@@ -108,7 +108,19 @@ unpark() {  # restore what park kept: a checkpoint unless its stage already has 
     if [[ -d $PARKED/evaluations ]]; then
         mkdir -p .icrl/evaluations
         cp -rn "$PARKED/evaluations/." .icrl/evaluations/  # -n: a log that went further here stays
+        drop_finished_partials
     fi
+}
+
+drop_finished_partials() {  # a run's work folder (partial/KEY) once the run is stored (KEY): the stage stores a
+                            # finished run and then deletes its work folder, so one left over is stale (a kill in
+                            # between, or an older park restored): never resumed, not to be parked again
+    local work
+    for work in .icrl/evaluations/partial/*/; do
+        [[ -d $work && -d .icrl/evaluations/$(basename "$work") ]] || continue
+        rm -rf "$work"
+        echo "== removed the work folder of a stored run: $work"
+    done
 }
 
 park() {  # the latest checkpoint of every stage, unfinished targets' outputs, evaluation work folders -> $PARKED
@@ -131,6 +143,7 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
         fi
     done
     if [[ -d .icrl/evaluations ]]; then
+        drop_finished_partials
         rm -rf "$PARKED/evaluations"
         mkdir -p "$PARKED"
         # without the queries' text (each a SHA-256 digest; the run resumes from it): the datasets stay out of git

@@ -227,3 +227,19 @@ def test_setting_19_trains_setting_15s_recipe_with_the_test_reward_then_runs_its
     _kept(project, "test_reward_streams")  # gate 2 evaluates the adapter kept in the repository
     _run(project, "s19-gate2-101-explorative")
     assert "evaluate.output_dir=artifacts/gate2_s19/seed101-explorative" in _calls(project)[-1]
+
+
+def test_the_work_folder_of_a_stored_run_is_neither_parked_nor_restored(project):
+    store = project / ".icrl" / "evaluations"
+    for key in ("done", "going"):
+        (store / "partial" / key).mkdir(parents=True)
+        (store / "partial" / key / "tests.jsonl").write_text('{"step": 0, "accuracy": 0.5}\n')
+    (store / "done").mkdir()  # stored: its work folder is stale
+    (store / "done" / "metrics.json").write_text("{}")
+    _run(project, "park")
+    assert sorted(p.name for p in (project / PARKED / "evaluations" / "partial").iterdir()) == ["going"]
+    assert not (store / "partial" / "done").exists() and (store / "partial" / "going").exists()
+    # a parked store committed earlier still holds the work folder of a run stored since: not restored
+    shutil.copytree(store / "partial" / "going", project / PARKED / "evaluations" / "partial" / "done")
+    _run(project, "s15")
+    assert not (store / "partial" / "done").exists() and (store / "partial" / "going").exists()

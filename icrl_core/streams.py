@@ -391,9 +391,10 @@ def context_values(policy, streams: Sequence[Stream], temperature: float) -> lis
         v = 1/M sum_j pi(y_j | c_end, x_j)
 
     where c_end is the stream's context after its last step (`Stream.shown_at_end`: naive every episode,
-    explorative every rewarded one, rendered as the steps' contexts are) and pi the constrained decoding at `temperature` (`path_logprob`): the expected test
-    accuracy of that context, as the harness measures it, under the policy as it is now. Each stream's context is
-    scored once and shared by its M queries (the exact torch engine's prefix cache). Sets `stream.test_value`."""
+    explorative every rewarded one, rendered as the steps' contexts are) and pi the constrained decoding at
+    `temperature` (`path_logprob`): the expected test accuracy of that context, as the harness measures it, under
+    the policy as it is now. Each stream's context is scored once and shared by its M queries (the exact torch
+    engine's prefix cache). Sets `stream.test_value`."""
     from icrl_core.inference.base import TrieRequest
     from icrl_core.inference.torch_backend import TorchEngine
 
@@ -412,8 +413,8 @@ def context_values(policy, streams: Sequence[Stream], temperature: float) -> lis
             trie = LabelTrie.build(answers)
             shown = [stream.history[i] for i in stream.shown_at_end]
             context, user_open = render_context(tokens, task.template, shown, STREAM_VIEW)
-            requests = [TrieRequest(tuple(context) + tuple(render_query(tokens, task.template, test.text, user_open)),
-                                    trie, shared_length=len(context)) for test in task.tests]
+            requests = [TrieRequest(tuple(context) + tuple(render_query(tokens, task.template, x.text, user_open)),
+                                    trie, shared_length=len(context)) for x in task.tests]
             scores = engine.trie_logprobs(requests)
             probs = [math.exp(path_logprob(trie, scores[j], answers[labels.index(test.label)], temperature))
                      for j, test in enumerate(task.tests)]

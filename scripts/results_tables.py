@@ -639,7 +639,7 @@ def stream_rl_gate_e() -> str:
         curves = []
         for run in runs.values():
             steps = sorted(run["test_accuracy"], key=int) if run else []
-            curves.append(" / ".join(_fmt(run["test_accuracy"][s], 3) for s in steps) if run else "")
+            curves.append(" / ".join(_fmt(run["test_accuracy"][s], 3) for s in steps) if run else "not run yet")
         reward = " / ".join(_fmt(r["train_accuracy"], 3) if r else "-" for r in runs.values())
         d = gate["decision"]
         rule = (f"test gain >= {_signed(d['min_test_gain'])}" if "min_test_gain" in d

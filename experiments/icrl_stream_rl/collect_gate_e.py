@@ -8,6 +8,7 @@ of that setting's rule.
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 17 --folder artifacts/gate_explorative_s17
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 18 --folder artifacts/gate_naive_s18
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 19 --folder artifacts/gate_explorative_s19
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 20 --folder artifacts/gate_explorative_s20
 
 Rules (each fixed before its runs):
 - setting 15 (addendum 19, `gate_explorative.yaml`, 500 steps): passes if the RL adapter's training-stream reward
@@ -21,6 +22,8 @@ Rules (each fixed before its runs):
   test accuracy at step 999 is at least the bootstrap's + 0.10.
 - setting 19 (addendum 33, gate E19, `gate_explorative_s19.yaml`, 1000 steps, explorative): passes if the RL
   adapter's test accuracy at step 999 is at least the bootstrap's + 0.10 (setting 16 gave +0.095 there).
+- setting 20 (addendum 35, gate E20, `gate_explorative_s20.yaml`, 1000 steps, explorative): the same rule as
+  setting 19's, + 0.10 at step 999.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from collect import read_results, write_results
 from collect_gate2 import final, seed_row
 
 # setting -> (least training-stream reward gain, least test-accuracy gain at the last test step); None: not a term
-RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None, 0.10), "19": (None, 0.10)}
+RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None, 0.10), "19": (None, 0.10),
+         "20": (None, 0.10)}
 # setting -> the strategy its development gate measures (explorative unless named)
 STRATEGY = {"18": "naive"}
 

@@ -22,6 +22,9 @@
 #                 10 x its context's expected accuracy on 16 held-out queries; gamma 1.0), then gate E19 (seed 7,
 #                 explorative, 1000 steps) and its probe
 #   s19-gate2-SEED-STRATEGY, s19-forgetting  as for s15, for setting 19 (only if gate E19 passes)
+#   s20           setting 20 (addendum 35): setting 16 on streams of 6 named labels (banking77, clinc150), then
+#                 gate E20 (seed 7, explorative, 1000 steps) and its probe
+#   s20-gate2-SEED-STRATEGY, s20-forgetting  as for s15, for setting 20 (only if gate E20 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
@@ -80,7 +83,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [ablation_rloo]=runs/ablation-rloo/probe.json [ablation_dpo_rank]=runs/ablation-dpo_rank/probe.json
                   [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json
                   [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json
-                  [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json)
+                  [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json
+                  [six_label_streams]=runs/s20/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -177,7 +181,7 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 
 # The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
-                         [18]=naive_burn_in [19]=test_reward_streams)
+                         [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams)
 
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
@@ -201,7 +205,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by un
 }
 
 for target in "$@"; do
-    case "$target" in s14|s1[5-9]|s1[5-9]-*|ablation-*|cd-*) unpark ;; esac
+    case "$target" in s14|s1[5-9]|s1[5-9]-*|s20|s20-*|ablation-*|cd-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -222,10 +226,10 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
-        s1[5-9]-gate2-*)
+        s1[5-9]-gate2-*|s20-gate2-*)
             setting=${target:1:2}
             gate2_part "$setting" "${SETTING_OUTPUT[$setting]}" "$target" || exit 1 ;;
-        s1[5-9]-forgetting)
+        s1[5-9]-forgetting|s20-forgetting)
             output=${SETTING_OUTPUT[${target:1:2}]}
             restore_kept "$output" "artifacts/$output/adapter" || exit 1
             forgetting "artifacts/$output/adapter" "runs/${target%-forgetting}/forgetting.json" ;;
@@ -256,6 +260,13 @@ for target in "$@"; do
             step "gate E19" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml \
                 -c $E/gate_explorative_s19.yaml
             probe artifacts/test_reward_streams/adapter runs/s19/probe.json ;;
+        s20)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained six_label_streams || step s20 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/six_label_streams.yaml
+            step "gate E20" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml \
+                -c $E/gate_explorative_s20.yaml
+            probe artifacts/six_label_streams/adapter runs/s20/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -290,6 +301,7 @@ for target in "$@"; do
             echo "run.sh: unknown target '$target' (bootstrap, s14, s15, s15-gate2-SEED-STRATEGY, s15-forgetting," \
                  "s16, s16-gate2-SEED-STRATEGY, s16-forgetting, s17, s17-gate2-SEED-STRATEGY, s17-forgetting," \
                  "s18, s18-gate2-SEED-STRATEGY, s18-forgetting, s19, s19-gate2-SEED-STRATEGY, s19-forgetting," \
+                 "s20, s20-gate2-SEED-STRATEGY, s20-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, park)" >&2
             exit 2 ;;
     esac

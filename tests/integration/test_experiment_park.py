@@ -229,6 +229,20 @@ def test_setting_19_trains_setting_15s_recipe_with_the_test_reward_then_runs_its
     assert "evaluate.output_dir=artifacts/gate2_s19/seed101-explorative" in _calls(project)[-1]
 
 
+def test_setting_20_trains_setting_16s_recipe_on_six_named_labels_then_runs_its_gate_e(project):
+    _kept(project, "bootstrap_h32")
+    _run(project, "s20")
+    train, gate, probe = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/burn_in_streams.yaml "
+                                                              "-c experiments/icrl_stream_rl/six_label_streams.yaml")
+    assert gate.startswith("stage evaluate ") and gate.endswith("gate_explorative_s20.yaml")
+    assert probe.startswith("probe-feedback ") and "artifacts/six_label_streams/adapter" in probe
+    _kept(project, "six_label_streams")  # gate 2 evaluates the adapter kept in the repository
+    _run(project, "s20-gate2-102-explorative")
+    assert "evaluate.output_dir=artifacts/gate2_s20/seed102-explorative" in _calls(project)[-1]
+    assert "evaluate.adapter=artifacts/six_label_streams/adapter" in _calls(project)[-1]
+
+
 def test_the_work_folder_of_a_stored_run_is_neither_parked_nor_restored(project):
     store = project / ".icrl" / "evaluations"
     for key in ("done", "going"):

@@ -87,6 +87,9 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     # setting 19's gate E19 (addendum 33): ten points of explorative test accuracy at the last step
     assert gate_e.decision(runs(-0.05, 0.10), "19")["verdict"] == "passed"
     assert gate_e.decision(runs(0.10, 0.095), "19")["verdict"] == "failed"
+    # setting 20's gate E20 (addendum 35): the same ten points
+    assert gate_e.decision(runs(0.0, 0.10), "20")["verdict"] == "passed"
+    assert gate_e.decision(runs(0.10, 0.095), "20")["verdict"] == "failed"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

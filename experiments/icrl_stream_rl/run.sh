@@ -183,6 +183,15 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams)
 
+setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
+    output=${SETTING_OUTPUT[$1]:-}
+    [[ -n $output ]] && return 0
+    local settings
+    settings=$(printf "%s\n" "${!SETTING_OUTPUT[@]}" | sort | paste -sd " ")
+    echo "run.sh: '$2': setting $1 has no gate-2 or forgetting targets (settings: $settings)" >&2
+    return 1
+}
+
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
     local part=${3#s$1-gate2-} adapter=artifacts/$2/adapter
@@ -205,7 +214,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by un
 }
 
 for target in "$@"; do
-    case "$target" in s14|s1[5-9]|s1[5-9]-*|s20|s20-*|ablation-*|cd-*) unpark ;; esac
+    case "$target" in s[0-9][0-9]|s[0-9][0-9]-*|ablation-*|cd-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -226,11 +235,11 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
-        s1[5-9]-gate2-*|s20-gate2-*)
-            setting=${target:1:2}
-            gate2_part "$setting" "${SETTING_OUTPUT[$setting]}" "$target" || exit 1 ;;
-        s1[5-9]-forgetting|s20-forgetting)
-            output=${SETTING_OUTPUT[${target:1:2}]}
+        s[0-9][0-9]-gate2-*)
+            setting_output "${target:1:2}" "$target" || exit 2
+            gate2_part "${target:1:2}" "$output" "$target" || exit 1 ;;
+        s[0-9][0-9]-forgetting)
+            setting_output "${target:1:2}" "$target" || exit 2
             restore_kept "$output" "artifacts/$output/adapter" || exit 1
             forgetting "artifacts/$output/adapter" "runs/${target%-forgetting}/forgetting.json" ;;
         s16)

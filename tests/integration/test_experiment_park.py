@@ -216,31 +216,31 @@ def test_a_training_target_restores_its_kept_adapter_instead_of_training_unless_
     assert _calls(project)[2].startswith("stage ppo ")  # trained again (the stand-in writes no adapter)
 
 
-def test_setting_19_trains_setting_15s_recipe_with_the_test_reward_then_runs_its_gate_e(project):
+@pytest.mark.parametrize(("setting", "layers", "output", "gate2_part"), [
+    ("19", "explorative_streams.yaml -c experiments/icrl_stream_rl/test_reward_streams.yaml", "test_reward_streams",
+     "101-explorative"),  # setting 15's recipe with the test reward
+    ("20", "burn_in_streams.yaml -c experiments/icrl_stream_rl/six_label_streams.yaml", "six_label_streams",
+     "102-explorative"),  # setting 16's recipe on six named labels
+])
+def test_a_setting_trains_its_layers_then_runs_its_gate_e_and_gate_2_on_its_kept_adapter(project, setting, layers,
+                                                                                         output, gate2_part):
     _kept(project, "bootstrap_h32")
-    _run(project, "s19")
+    _run(project, f"s{setting}")
     train, gate, probe = _calls(project)
-    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/explorative_streams.yaml "
-                                                              "-c experiments/icrl_stream_rl/test_reward_streams.yaml")
-    assert gate.startswith("stage evaluate ") and gate.endswith("gate_explorative_s19.yaml")
-    assert probe.startswith("probe-feedback ") and "artifacts/test_reward_streams/adapter" in probe
-    _kept(project, "test_reward_streams")  # gate 2 evaluates the adapter kept in the repository
-    _run(project, "s19-gate2-101-explorative")
-    assert "evaluate.output_dir=artifacts/gate2_s19/seed101-explorative" in _calls(project)[-1]
+    assert train.startswith("stage ppo ") and train.endswith(f"-c experiments/icrl_stream_rl/{layers}")
+    assert gate.startswith("stage evaluate ") and gate.endswith(f"gate_explorative_s{setting}.yaml")
+    assert probe.startswith("probe-feedback ") and f"artifacts/{output}/adapter" in probe
+    _kept(project, output)  # gate 2 evaluates the adapter kept in the repository
+    _run(project, f"s{setting}-gate2-{gate2_part}")
+    assert f"evaluate.output_dir=artifacts/gate2_s{setting}/seed{gate2_part}" in _calls(project)[-1]
+    assert f"evaluate.adapter=artifacts/{output}/adapter" in _calls(project)[-1]
 
 
-def test_setting_20_trains_setting_16s_recipe_on_six_named_labels_then_runs_its_gate_e(project):
-    _kept(project, "bootstrap_h32")
-    _run(project, "s20")
-    train, gate, probe = _calls(project)
-    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/burn_in_streams.yaml "
-                                                              "-c experiments/icrl_stream_rl/six_label_streams.yaml")
-    assert gate.startswith("stage evaluate ") and gate.endswith("gate_explorative_s20.yaml")
-    assert probe.startswith("probe-feedback ") and "artifacts/six_label_streams/adapter" in probe
-    _kept(project, "six_label_streams")  # gate 2 evaluates the adapter kept in the repository
-    _run(project, "s20-gate2-102-explorative")
-    assert "evaluate.output_dir=artifacts/gate2_s20/seed102-explorative" in _calls(project)[-1]
-    assert "evaluate.adapter=artifacts/six_label_streams/adapter" in _calls(project)[-1]
+def test_a_gate2_target_of_a_setting_without_one_is_a_user_error(project):
+    failed = subprocess.run(["bash", str(project / SCRIPT), "s14-gate2-100-naive"], cwd=project, capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert failed.returncode == 2 and "setting 14 has no gate-2 or forgetting targets" in failed.stderr
+    assert not (project / ".venv" / "bin" / "calls.log").exists()  # nothing ran
 
 
 def test_the_work_folder_of_a_stored_run_is_neither_parked_nor_restored(project):

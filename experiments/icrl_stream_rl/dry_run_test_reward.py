@@ -1,6 +1,8 @@
-"""Dry run for a test-reward setting (addendum 33): roll out the first training iterations' groups of a stream
-config with the start adapter, measure each stream's test value (ppo.stream.test_reward, weight 0: measured, not
-rewarded) and time the phases. No update, training tasks only: a measurement of the rollouts, not a result.
+"""Dry run of a stream config (addenda 33 and 36): roll out the first training iterations' groups with the start
+adapter, no update, training tasks only, and write the trained steps' rewards (their mean, and how many groups
+earned the same rewards at every step, so that RLOO would have no advantage to follow), each stream's test value
+when ppo.stream.test_reward.queries is set (measured, not rewarded) and the phases' times: a measurement of the
+rollouts, not a result.
 
     .venv/bin/python experiments/icrl_stream_rl/dry_run_test_reward.py ITERATIONS OUTPUT.json -c ... [--set ...]
 """
@@ -41,19 +43,24 @@ def main(argv: list[str]) -> None:
             started = time.perf_counter()
             streams = roll_out_tasks(policy, [(group, task)], measured, config.seed, iteration, max_tokens)
             rolled = time.perf_counter() - started
-            values = context_values(policy, streams, cfg.stream.test_reward.temperature)
+            values = (context_values(policy, streams, cfg.stream.test_reward.temperature)
+                      if cfg.stream.test_reward.queries else None)
             groups.append({"iteration": iteration, "group": group, "task": task.name, "labels": len(task.labels),
                            "rewards": [s.rewards for s in streams], "test_values": values,
                            "rollout_seconds": rolled, "test_value_seconds": time.perf_counter() - started - rolled})
             print(json.dumps(groups[-1]), flush=True)
-    spread = [max(g["test_values"]) - min(g["test_values"]) for g in groups]
     totals = [[sum(r) for r in g["rewards"]] for g in groups]
     reward_spread = [max(t) - min(t) for t in totals]
+    rewards = [r for g in groups for stream in g["rewards"] for r in stream]
+    summary = {"groups": groups, "threads": torch.get_num_threads(), "mean_reward": sum(rewards) / len(rewards),
+               "decisions": len(rewards),
+               "uniform_groups": sum(all(s == g["rewards"][0] for s in g["rewards"]) for g in groups),
+               "mean_within_group_reward_range": sum(reward_spread) / len(reward_spread)}
+    if cfg.stream.test_reward.queries:
+        spread = [max(g["test_values"]) - min(g["test_values"]) for g in groups]
+        summary["mean_within_group_range"] = sum(spread) / len(spread)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"groups": groups, "threads": torch.get_num_threads(),
-                                  "mean_within_group_range": sum(spread) / len(spread),
-                                  "mean_within_group_reward_range": sum(reward_spread) / len(reward_spread)},
-                                 indent=1) + "\n")
+    output.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

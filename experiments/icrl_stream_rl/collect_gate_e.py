@@ -9,6 +9,12 @@ of that setting's rule.
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 18 --folder artifacts/gate_naive_s18
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 19 --folder artifacts/gate_explorative_s19
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 20 --folder artifacts/gate_explorative_s20
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 21 --folder artifacts/gate_explorative_s21 \
+        --folder artifacts/gate_explorative_s21_seed8
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 16 --folder artifacts/gate_explorative_s16_seed8
+
+A run at a seed that is not its setting's development seed is stored as SETTING@SEED; one outside the setting's
+rule (setting 16 at seed 8, addendum 36) is reported, not decided.
 
 Rules (each fixed before its runs):
 - setting 15 (addendum 19, `gate_explorative.yaml`, 500 steps): passes if the RL adapter's training-stream reward
@@ -24,6 +30,9 @@ Rules (each fixed before its runs):
   adapter's test accuracy at step 999 is at least the bootstrap's + 0.10 (setting 16 gave +0.095 there).
 - setting 20 (addendum 35, gate E20, `gate_explorative_s20.yaml`, 1000 steps, explorative): the same rule as
   setting 19's, + 0.10 at step 999.
+- setting 21 (addendum 36, gate E21, `gate_explorative_s21.yaml`, 1000 steps, explorative, development seeds 7 and
+  8): passes if the RL adapter's test accuracy at step 999 minus the bootstrap's is positive on both seeds and at
+  least + 0.075 on their mean.
 """
 
 from __future__ import annotations
@@ -40,9 +49,12 @@ from collect_gate2 import final, seed_row
 
 # setting -> (least training-stream reward gain, least test-accuracy gain at the last test step); None: not a term
 RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None, 0.10), "19": (None, 0.10),
-         "20": (None, 0.10)}
+         "20": (None, 0.10), "21": (None, 0.075)}
 # setting -> the strategy its development gate measures (explorative unless named)
 STRATEGY = {"18": "naive"}
+# setting -> its development seeds (7 unless named); with more than one, RULES' test gain is a bound on their mean
+# and every seed's gain must be positive
+SEEDS = {"21": (7, 8)}
 
 
 def gate_strategy(setting: str) -> str:
@@ -63,22 +75,71 @@ def decision(runs: dict, setting: str = "15") -> dict:
             "verdict": "passed" if passed else "failed"}
 
 
+def gate_seeds(setting: str) -> tuple[int, ...]:
+    return SEEDS.get(setting, (7,))
+
+
+def entry_key(setting: str, seed: int) -> str:
+    """Where results.json keeps a setting's run at `seed`: the setting at its first development seed, else
+    SETTING@SEED."""
+    return setting if seed == gate_seeds(setting)[0] else f"{setting}@{seed}"
+
+
+def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
+    """A rule over several development seeds (SEEDS): each seed's test gain positive, their mean at least RULES'
+    bound; 'pending' until every seed's runs are in."""
+    _, min_mean_gain = RULES[setting]
+    strategy = gate_strategy(setting)
+    gains = {}
+    for seed in gate_seeds(setting):
+        runs = runs_by_seed.get(seed, {})
+        trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
+        if trained is None or start is None:
+            return {"verdict": "pending", "rule": rule_text(setting)}
+        gains[str(seed)] = round(final(trained) - final(start), 4)
+    mean = round(sum(gains.values()) / len(gains), 4)
+    passed = mean >= min_mean_gain - 1e-9 and all(g > 0 for g in gains.values())
+    return {"test_gains": gains, "test_gain": mean, "min_test_gain": min_mean_gain, "rule": rule_text(setting),
+            "verdict": "passed" if passed else "failed"}
+
+
+def rule_text(setting: str) -> str:
+    seeds = ", ".join(str(s) for s in gate_seeds(setting))
+    return f"mean test gain over seeds {seeds} >= +{RULES[setting][1]:.3f}, each > 0"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--setting", required=True, choices=sorted(RULES, key=int),
                         help="the setting whose adapter the runs evaluated (its pre-registered rule)")
-    parser.add_argument("--folder", type=Path, required=True, help="the evaluate stage's output folder")
+    parser.add_argument("--folder", type=Path, required=True, action="append",
+                        help="the evaluate stage's output folder (once per seed)")
     args = parser.parse_args()
     results = read_results()
-    row = seed_row(args.folder)
+    gates = results.setdefault("gate_e", {})
     strategy = gate_strategy(args.setting)
-    config = json.loads(next((args.folder / "runs").glob(f"*-{strategy}/config.json")).read_text())
-    seed = config["icrl_eval"]["seed"]
-    results.setdefault("gate_e", {})[args.setting] = {"seed": seed, "strategy": strategy, **row,
-                                                      "decision": decision(row["runs"], args.setting)}
+    for folder in args.folder:
+        row = seed_row(folder)
+        config = json.loads(next((folder / "runs").glob(f"*-{strategy}/config.json")).read_text())
+        seed = config["icrl_eval"]["seed"]
+        gates[entry_key(args.setting, seed)] = {"seed": seed, "strategy": strategy, **row}
+    seeds = gate_seeds(args.setting)
+    for key, gate in gates.items():
+        if key.split("@")[0] != args.setting:
+            continue
+        if gate["seed"] not in seeds:  # beside another setting's gate, not this setting's rule
+            trained, start = gate["runs"].get(f"trained-{strategy}"), gate["runs"].get(f"start-{strategy}")
+            gate["decision"] = {"verdict": "reported, not a rule"}
+            if trained and start:
+                gate["decision"]["test_gain"] = round(final(trained) - final(start), 4)
+                gate["decision"]["train_gain"] = round(trained["train_accuracy"] - start["train_accuracy"], 4)
+        elif len(seeds) > 1:
+            gate["decision"] = seeds_decision({g["seed"]: g["runs"] for k, g in gates.items()
+                                               if k.split("@")[0] == args.setting}, args.setting)
+        else:
+            gate["decision"] = decision(gate["runs"], args.setting)
+        print(f"setting {args.setting} gate E (seed {gate['seed']}): {gate['decision']}")
     write_results(results)
-    d = results["gate_e"][args.setting]["decision"]
-    print(f"setting {args.setting} gate E (seed {seed}): {d}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@
 #   s20           setting 20 (addendum 35): setting 16 on streams of 6 named labels (banking77, clinc150), then
 #                 gate E20 (seed 7, explorative, 1000 steps) and its probe
 #   s20-gate2-SEED-STRATEGY, s20-forgetting  as for s15, for setting 20 (only if gate E20 passes)
+#   s21           setting 21 (addendum 36): setting 16 on streams of the dry run's label count, then gate E21 at
+#                 seeds 7 and 8 (explorative, 1000 steps), setting 16's adapter at seed 8 (reported), and its probe
+#   s21-gate2-SEED-STRATEGY, s21-forgetting  as for s15, for setting 21 (only if gate E21 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
@@ -84,7 +87,7 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json
                   [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json
                   [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json
-                  [six_label_streams]=runs/s20/probe.json)
+                  [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -181,7 +184,8 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 
 # The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
-                         [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams)
+                         [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
+                         [21]=many_label_streams)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -276,6 +280,20 @@ for target in "$@"; do
             step "gate E20" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative_long.yaml \
                 -c $E/gate_explorative_s20.yaml
             probe artifacts/six_label_streams/adapter runs/s20/probe.json ;;
+        s21)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained many_label_streams || step s21 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/many_label_streams.yaml
+            for seed in 7 8; do  # gate E21: both development seeds (at 7 the bootstrap's and base's runs are stored)
+                step "gate E21 seed $seed" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
+                    -c $E/gate_explorative_long.yaml -c $E/gate_explorative_s21.yaml --set "icrl_eval.seed=$seed" \
+                    --set "evaluate.output_dir=artifacts/gate_explorative_s21$([[ $seed == 7 ]] || echo _seed$seed)"
+            done
+            restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
+            step "setting 16 at seed 8" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
+                -c $E/gate_explorative_long.yaml --set icrl_eval.seed=8 \
+                --set evaluate.output_dir=artifacts/gate_explorative_s16_seed8
+            probe artifacts/many_label_streams/adapter runs/s21/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -310,7 +328,7 @@ for target in "$@"; do
             echo "run.sh: unknown target '$target' (bootstrap, s14, s15, s15-gate2-SEED-STRATEGY, s15-forgetting," \
                  "s16, s16-gate2-SEED-STRATEGY, s16-forgetting, s17, s17-gate2-SEED-STRATEGY, s17-forgetting," \
                  "s18, s18-gate2-SEED-STRATEGY, s18-forgetting, s19, s19-gate2-SEED-STRATEGY, s19-forgetting," \
-                 "s20, s20-gate2-SEED-STRATEGY, s20-forgetting," \
+                 "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, park)" >&2
             exit 2 ;;
     esac

@@ -236,6 +236,25 @@ def test_a_setting_trains_its_layers_then_runs_its_gate_e_and_gate_2_on_its_kept
     assert f"evaluate.adapter=artifacts/{output}/adapter" in _calls(project)[-1]
 
 
+def test_setting_21_gates_on_two_development_seeds_and_evaluates_setting_16_beside_them(project):
+    _kept(project, "bootstrap_h32")
+    _kept(project, "burn_in_streams")
+    _run(project, "s21")
+    train, seed7, seed8, setting16, probe = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/burn_in_streams.yaml "
+                                                              "-c experiments/icrl_stream_rl/many_label_streams.yaml")
+    assert "gate_explorative_s21.yaml" in seed7 and "icrl_eval.seed=7" in seed7
+    assert seed7.endswith("evaluate.output_dir=artifacts/gate_explorative_s21")
+    assert "gate_explorative_s21.yaml" in seed8 and "icrl_eval.seed=8" in seed8
+    assert seed8.endswith("evaluate.output_dir=artifacts/gate_explorative_s21_seed8")
+    assert "gate_explorative_s21.yaml" not in setting16 and "icrl_eval.seed=8" in setting16  # its adapter: the layer's
+    assert setting16.endswith("evaluate.output_dir=artifacts/gate_explorative_s16_seed8")
+    assert probe.startswith("probe-feedback ") and "artifacts/many_label_streams/adapter" in probe
+    _kept(project, "many_label_streams")
+    _run(project, "s21-gate2-100-explorative")
+    assert "evaluate.output_dir=artifacts/gate2_s21/seed100-explorative" in _calls(project)[-1]
+
+
 def test_a_gate2_target_of_a_setting_without_one_is_a_user_error(project):
     failed = subprocess.run(["bash", str(project / SCRIPT), "s14-gate2-100-naive"], cwd=project, capture_output=True,
                             text=True, check=False, timeout=60)

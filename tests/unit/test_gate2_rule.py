@@ -90,6 +90,14 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     # setting 20's gate E20 (addendum 35): the same ten points
     assert gate_e.decision(runs(0.0, 0.10), "20")["verdict"] == "passed"
     assert gate_e.decision(runs(0.10, 0.095), "20")["verdict"] == "failed"
+    # setting 21's gate E21 (addendum 36): seeds 7 and 8, each gain positive and a mean of at least 0.075
+    two = lambda g7, g8: gate_e.seeds_decision({7: runs(0.0, g7), 8: runs(0.0, g8)}, "21")
+    assert two(0.10, 0.05)["verdict"] == "passed" and two(0.10, 0.05)["test_gains"] == {"7": 0.1, "8": 0.05}
+    assert two(0.15, 0.0)["verdict"] == "failed"  # the mean is there, seed 8's gain is not positive
+    assert two(0.08, 0.065)["verdict"] == "failed"  # both positive, mean 0.0725
+    assert gate_e.seeds_decision({7: runs(0.0, 0.3)}, "21")["verdict"] == "pending"
+    assert gate_e.entry_key("21", 7) == "21" and gate_e.entry_key("21", 8) == "21@8"
+    assert gate_e.entry_key("16", 8) == "16@8"  # setting 16's adapter beside gate E21: reported, no rule
 
 
 def test_a_seed_run_in_parts_is_one_seed():

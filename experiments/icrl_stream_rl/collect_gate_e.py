@@ -61,15 +61,22 @@ def gate_strategy(setting: str) -> str:
     return STRATEGY.get(setting, "explorative")
 
 
+def gains(runs: dict, strategy: str) -> tuple[float, float] | None:
+    """(training-stream reward gain, test-accuracy gain at the last test step) of the RL adapter over the bootstrap
+    in `strategy`; None until both runs are in."""
+    trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
+    if trained is None or start is None:
+        return None
+    return (round(trained["train_accuracy"] - start["train_accuracy"], 4), round(final(trained) - final(start), 4))
+
+
 def decision(runs: dict, setting: str = "15") -> dict:
     """The numbers of `setting`'s rule (RULES) and the verdict ('pending' until both runs are in)."""
     min_train_gain, min_test_gain = RULES[setting]
-    strategy = gate_strategy(setting)
-    trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
-    if trained is None or start is None:
+    measured = gains(runs, gate_strategy(setting))
+    if measured is None:
         return {"verdict": "pending"}
-    train_gain = round(trained["train_accuracy"] - start["train_accuracy"], 4)
-    test_gain = round(final(trained) - final(start), 4)
+    train_gain, test_gain = measured
     passed = test_gain >= min_test_gain - 1e-9 and (min_train_gain is None or train_gain >= min_train_gain - 1e-9)
     return {"train_gain": train_gain, "test_gain": test_gain, "min_test_gain": min_test_gain,
             "verdict": "passed" if passed else "failed"}
@@ -89,17 +96,15 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
     """A rule over several development seeds (SEEDS): each seed's test gain positive, their mean at least RULES'
     bound; 'pending' until every seed's runs are in."""
     _, min_mean_gain = RULES[setting]
-    strategy = gate_strategy(setting)
-    gains = {}
+    test_gains = {}
     for seed in gate_seeds(setting):
-        runs = runs_by_seed.get(seed, {})
-        trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
-        if trained is None or start is None:
+        measured = gains(runs_by_seed.get(seed, {}), gate_strategy(setting))
+        if measured is None:
             return {"verdict": "pending", "rule": rule_text(setting)}
-        gains[str(seed)] = round(final(trained) - final(start), 4)
-    mean = round(sum(gains.values()) / len(gains), 4)
-    passed = mean >= min_mean_gain - 1e-9 and all(g > 0 for g in gains.values())
-    return {"test_gains": gains, "test_gain": mean, "min_test_gain": min_mean_gain, "rule": rule_text(setting),
+        test_gains[str(seed)] = measured[1]
+    mean = round(sum(test_gains.values()) / len(test_gains), 4)
+    passed = mean >= min_mean_gain - 1e-9 and all(g > 0 for g in test_gains.values())
+    return {"test_gains": test_gains, "test_gain": mean, "min_test_gain": min_mean_gain, "rule": rule_text(setting),
             "verdict": "passed" if passed else "failed"}
 
 
@@ -124,20 +129,16 @@ def main() -> None:
         seed = config["icrl_eval"]["seed"]
         gates[entry_key(args.setting, seed)] = {"seed": seed, "strategy": strategy, **row}
     seeds = gate_seeds(args.setting)
-    for key, gate in gates.items():
-        if key.split("@")[0] != args.setting:
-            continue
+    own = {key: gate for key, gate in gates.items() if key.split("@")[0] == args.setting}
+    several = seeds_decision({g["seed"]: g["runs"] for g in own.values()}, args.setting) if len(seeds) > 1 else None
+    for gate in own.values():
         if gate["seed"] not in seeds:  # beside another setting's gate, not this setting's rule
-            trained, start = gate["runs"].get(f"trained-{strategy}"), gate["runs"].get(f"start-{strategy}")
+            measured = gains(gate["runs"], strategy)
             gate["decision"] = {"verdict": "reported, not a rule"}
-            if trained and start:
-                gate["decision"]["test_gain"] = round(final(trained) - final(start), 4)
-                gate["decision"]["train_gain"] = round(trained["train_accuracy"] - start["train_accuracy"], 4)
-        elif len(seeds) > 1:
-            gate["decision"] = seeds_decision({g["seed"]: g["runs"] for k, g in gates.items()
-                                               if k.split("@")[0] == args.setting}, args.setting)
+            if measured is not None:
+                gate["decision"]["train_gain"], gate["decision"]["test_gain"] = measured
         else:
-            gate["decision"] = decision(gate["runs"], args.setting)
+            gate["decision"] = several or decision(gate["runs"], args.setting)
         print(f"setting {args.setting} gate E (seed {gate['seed']}): {gate['decision']}")
     write_results(results)
 

@@ -28,6 +28,9 @@
 #   s21           setting 21 (addendum 36): setting 16 on streams of the dry run's label count, then gate E21 at
 #                 seeds 7 and 8 (explorative, 1000 steps), setting 16's adapter at seed 8 (reported), and its probe
 #   s21-gate2-SEED-STRATEGY, s21-forgetting  as for s15, for setting 21 (only if gate E21 passes)
+#   s22           setting 22 (addendum 38): setting 21 with groups of 8 streams at the same budget (20 iterations),
+#                 then gate E22 at seeds 7 and 8 (explorative, 1000 steps) and its probe
+#   s22-gate2-SEED-STRATEGY, s22-forgetting  as for s15, for setting 22 (only if gate E22 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
@@ -87,7 +90,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [cd_plain]=runs/cd-plain/forgetting.json [cd_distill]=runs/cd-distill/forgetting.json
                   [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json
                   [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json
-                  [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json)
+                  [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json
+                  [wide_group_streams]=runs/s22/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -185,7 +189,7 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 # The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
-                         [21]=many_label_streams)
+                         [21]=many_label_streams [22]=wide_group_streams)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -205,6 +209,16 @@ gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's 
     step "$3" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
         --set "evaluate.adapter=$adapter" --set "evaluate.strategies=[$strategy]" \
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
+}
+
+gate_two_seeds() {  # gate_two_seeds SETTING: its development gate E at seeds 7 and 8 (addenda 36, 38), the
+                   # adapter gate_explorative_sSETTING.yaml names; outputs artifacts/gate_explorative_sSETTING[_seed8]
+    local seed
+    for seed in 7 8; do
+        step "gate E$1 seed $seed" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
+            -c $E/gate_explorative_long.yaml -c "$E/gate_explorative_s$1.yaml" --set "icrl_eval.seed=$seed" \
+            --set "evaluate.output_dir=artifacts/gate_explorative_s$1$([[ $seed == 7 ]] || echo _seed$seed)" || return 1
+    done
 }
 
 trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by unpark, or the copy kept in
@@ -284,16 +298,19 @@ for target in "$@"; do
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             trained many_label_streams || step s21 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/many_label_streams.yaml
-            for seed in 7 8; do  # gate E21: both development seeds (at 7 the bootstrap's and base's runs are stored)
-                step "gate E21 seed $seed" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
-                    -c $E/gate_explorative_long.yaml -c $E/gate_explorative_s21.yaml --set "icrl_eval.seed=$seed" \
-                    --set "evaluate.output_dir=artifacts/gate_explorative_s21$([[ $seed == 7 ]] || echo _seed$seed)"
-            done
+            gate_two_seeds 21
             restore_kept burn_in_streams artifacts/burn_in_streams/adapter || exit 1
             step "setting 16 at seed 8" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
                 -c $E/gate_explorative_long.yaml --set icrl_eval.seed=8 \
                 --set evaluate.output_dir=artifacts/gate_explorative_s16_seed8
             probe artifacts/many_label_streams/adapter runs/s21/probe.json ;;
+        s22)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained wide_group_streams || step s22 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/many_label_streams.yaml \
+                -c $E/wide_group_streams.yaml
+            gate_two_seeds 22
+            probe artifacts/wide_group_streams/adapter runs/s22/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \

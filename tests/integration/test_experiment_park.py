@@ -255,6 +255,22 @@ def test_setting_21_gates_on_two_development_seeds_and_evaluates_setting_16_besi
     assert "evaluate.output_dir=artifacts/gate2_s21/seed100-explorative" in _calls(project)[-1]
 
 
+def test_setting_22_trains_on_wide_groups_then_gates_on_both_development_seeds(project):
+    _kept(project, "bootstrap_h32")
+    _run(project, "s22")
+    train, seed7, seed8, probe = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/many_label_streams.yaml "
+                                                              "-c experiments/icrl_stream_rl/wide_group_streams.yaml")
+    assert "gate_explorative_s22.yaml" in seed7 and "icrl_eval.seed=7" in seed7
+    assert seed7.endswith("evaluate.output_dir=artifacts/gate_explorative_s22")
+    assert "gate_explorative_s22.yaml" in seed8 and "icrl_eval.seed=8" in seed8
+    assert seed8.endswith("evaluate.output_dir=artifacts/gate_explorative_s22_seed8")
+    assert probe.startswith("probe-feedback ") and "artifacts/wide_group_streams/adapter" in probe
+    _kept(project, "wide_group_streams")
+    _run(project, "s22-gate2-101-explorative")
+    assert "evaluate.output_dir=artifacts/gate2_s22/seed101-explorative" in _calls(project)[-1]
+
+
 def test_a_gate2_target_of_a_setting_without_one_is_a_user_error(project):
     failed = subprocess.run(["bash", str(project / SCRIPT), "s14-gate2-100-naive"], cwd=project, capture_output=True,
                             text=True, check=False, timeout=60)

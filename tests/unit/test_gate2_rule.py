@@ -98,6 +98,10 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: runs(0.0, 0.3)}, "21")["verdict"] == "pending"
     assert gate_e.entry_key("21", 7) == "21" and gate_e.entry_key("21", 8) == "21@8"
     assert gate_e.entry_key("16", 8) == "16@8"  # setting 16's adapter beside gate E21: reported, no rule
+    # setting 22's gate E22 (addendum 38): gate E21's rule
+    assert gate_e.seeds_decision({7: runs(0.0, 0.07), 8: runs(0.0, 0.08)}, "22")["verdict"] == "passed"
+    assert gate_e.seeds_decision({7: runs(0.0, 0.07), 8: runs(0.0, 0.055)}, "22")["verdict"] == "failed"
+    assert gate_e.entry_key("22", 8) == "22@8"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

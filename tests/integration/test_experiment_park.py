@@ -236,6 +236,13 @@ def test_a_setting_trains_its_layers_then_runs_its_gate_e_and_gate_2_on_its_kept
     assert f"evaluate.adapter=artifacts/{output}/adapter" in _calls(project)[-1]
 
 
+def _assert_two_seed_gate(setting: str, seed7: str, seed8: str) -> None:
+    """run.sh's gate_two_seeds: the setting's gate E layer at seeds 7 and 8, into their own output folders."""
+    for seed, call, suffix in ((7, seed7, ""), (8, seed8, "_seed8")):
+        assert f"gate_explorative_s{setting}.yaml" in call and f"icrl_eval.seed={seed}" in call
+        assert call.endswith(f"evaluate.output_dir=artifacts/gate_explorative_s{setting}{suffix}")
+
+
 def test_setting_21_gates_on_two_development_seeds_and_evaluates_setting_16_beside_them(project):
     _kept(project, "bootstrap_h32")
     _kept(project, "burn_in_streams")
@@ -243,10 +250,7 @@ def test_setting_21_gates_on_two_development_seeds_and_evaluates_setting_16_besi
     train, seed7, seed8, setting16, probe = _calls(project)
     assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/burn_in_streams.yaml "
                                                               "-c experiments/icrl_stream_rl/many_label_streams.yaml")
-    assert "gate_explorative_s21.yaml" in seed7 and "icrl_eval.seed=7" in seed7
-    assert seed7.endswith("evaluate.output_dir=artifacts/gate_explorative_s21")
-    assert "gate_explorative_s21.yaml" in seed8 and "icrl_eval.seed=8" in seed8
-    assert seed8.endswith("evaluate.output_dir=artifacts/gate_explorative_s21_seed8")
+    _assert_two_seed_gate("21", seed7, seed8)
     assert "gate_explorative_s21.yaml" not in setting16 and "icrl_eval.seed=8" in setting16  # its adapter: the layer's
     assert setting16.endswith("evaluate.output_dir=artifacts/gate_explorative_s16_seed8")
     assert probe.startswith("probe-feedback ") and "artifacts/many_label_streams/adapter" in probe
@@ -261,10 +265,7 @@ def test_setting_22_trains_on_wide_groups_then_gates_on_both_development_seeds(p
     train, seed7, seed8, probe = _calls(project)
     assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/many_label_streams.yaml "
                                                               "-c experiments/icrl_stream_rl/wide_group_streams.yaml")
-    assert "gate_explorative_s22.yaml" in seed7 and "icrl_eval.seed=7" in seed7
-    assert seed7.endswith("evaluate.output_dir=artifacts/gate_explorative_s22")
-    assert "gate_explorative_s22.yaml" in seed8 and "icrl_eval.seed=8" in seed8
-    assert seed8.endswith("evaluate.output_dir=artifacts/gate_explorative_s22_seed8")
+    _assert_two_seed_gate("22", seed7, seed8)
     assert probe.startswith("probe-feedback ") and "artifacts/wide_group_streams/adapter" in probe
     _kept(project, "wide_group_streams")
     _run(project, "s22-gate2-101-explorative")

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from icrl_core.errors import UserError
+from icrl_core.io import atomic_write_text, read_user_text
 from icrl_core.task_data import load_task_from_dir
 
 
@@ -50,12 +51,13 @@ def run_answers(run: Path) -> tuple[dict, dict[int, list[str]]]:
     for name in ("config.json", "tests.jsonl"):
         if not (run / name).is_file():
             raise UserError(f"{run}: no {name} (an evaluate-stage run folder, runs/<model>-<strategy>/, holds it)")
-    config = json.loads((run / "config.json").read_text())
-    answers = {}
-    for line in (run / "tests.jsonl").read_text().splitlines():
-        if line.strip():
-            test = json.loads(line)
-            answers[int(test["step"])] = test["predictions"]
+    lines = [line for line in read_user_text(run / "tests.jsonl", "test log").splitlines() if line.strip()]
+    try:
+        config = json.loads(read_user_text(run / "config.json", "run config"))
+        config = {"icrl_eval": config["icrl_eval"], "data": {"tasks_dir": config["data"]["tasks_dir"]}}
+        answers = {int(test["step"]): test["predictions"] for test in map(json.loads, lines)}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{run}: not an evaluate-stage run's config.json and tests.jsonl ({exc!r})") from None
     return config, answers
 
 
@@ -104,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"difference {pair['difference']:+.3f} +- {pair['standard_error']:.3f} "
                   f"(only RL right {pair['only_trained']}, only bootstrap {pair['only_start']})")
     if args.output:
-        tmp = args.output.with_suffix(args.output.suffix + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=2) + "\n")
-        tmp.replace(args.output)
+        atomic_write_text(args.output, json.dumps(rows, indent=2) + "\n")
     return 0
 
 

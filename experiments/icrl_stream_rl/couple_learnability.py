@@ -14,6 +14,7 @@ the signal). The validation couples say whether what is learned carries to new s
 Not a recipe: nothing here is evaluated on trec_coarse.
 
     python experiments/icrl_stream_rl/couple_learnability.py -c params.yaml -c experiments/icrl_skill.yaml \\
+        -c experiments/icrl_stream_rl/h32_ppo.yaml \\
         -c experiments/icrl_stream_rl/hindsight_dpo.yaml -c experiments/icrl_stream_rl/hindsight_contrast.yaml \\
         --adapter artifacts/bootstrap/adapter --output experiments/icrl_stream_rl/learnability.json
 """

@@ -23,7 +23,8 @@ def main() -> None:
     parser.add_argument("output", type=Path)
     args = parser.parse_args()
     # the feedback probe is measured by `icrl probe-feedback` (gate 1), not here
-    config = load_config(["params.yaml", "experiments/icrl_skill.yaml"], ["evaluate.feedback_probe_target=null"])
+    config = load_config(["params.yaml", "experiments/icrl_skill.yaml", "experiments/icrl_stream_rl/h32_ppo.yaml"],
+                         ["evaluate.feedback_probe_target=null"])
     start = time.time()
     base = general_ability(config, None)
     trained = general_ability(config, args.adapter)

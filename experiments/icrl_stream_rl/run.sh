@@ -59,7 +59,8 @@ cd "$(dirname "$0")/../.."
 export HF_HUB_OFFLINE=1 DO_NOT_TRACK=true DVC_NO_ANALYTICS=1 MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
 E=experiments/icrl_stream_rl
 ICRL=.venv/bin/icrl
-SKILL=(-c params.yaml -c experiments/icrl_skill.yaml)
+# The skill recipe as these runs layered it: its RL stage is now setting 16's, h32_ppo.yaml restores the keys
+SKILL=(-c params.yaml -c experiments/icrl_skill.yaml -c $E/h32_ppo.yaml)
 
 step() {  # step NAME COMMAND...: run, retried twice, timestamps in the log
     local name=$1 try

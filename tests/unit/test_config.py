@@ -186,6 +186,33 @@ def test_experiment_files_layer_on_params_and_are_written_into_it_as_dvc_sees_th
         read_config_file(tmp_path / "missing.yaml")
 
 
+def test_the_skill_recipe_trains_setting_16s_rl_stage_and_evaluates_it_against_the_bootstrap():
+    """Issue 26, Deliver 4: `make experiment` trains bootstrap -> RL with setting 16's layers (the best measured),
+    evaluates and promotes the RL adapter with the bootstrap beside it; the pre-registered runs (run.sh's
+    h32_ppo.yaml after the recipe) still compose the token-mode recipe they ran with."""
+    from tasks.settings import config_diff
+
+    stream_rl = ROOT / "experiments" / "icrl_stream_rl"
+    skill = [ROOT / "params.yaml", ROOT / "experiments" / "icrl_skill.yaml"]
+    recipe = load_config(skill, [], environ={})
+    as_run = skill + [stream_rl / "h32_ppo.yaml"]
+    setting_16 = load_config(as_run + [stream_rl / name for name in
+                                       ("stream_rl.yaml", "explorative_streams.yaml", "burn_in_streams.yaml")],
+                             [], environ={})
+    assert config_diff(setting_16, recipe) == {
+        "ppo.output_dir": "artifacts/ppo", "evaluate.adapter": "artifacts/ppo/adapter",
+        "evaluate.start_adapter": "artifacts/bootstrap/adapter", "evaluate.min_gain_over_start": 0.0}
+    assert recipe.ppo.init_adapter == Path(recipe.bootstrap.output_dir) / "adapter"
+    assert recipe.evaluate.adapter == Path(recipe.ppo.output_dir) / "adapter"
+    assert recipe.evaluate.start_adapter == recipe.ppo.init_adapter
+    h32 = load_config(as_run, [], environ={})
+    assert (h32.ppo.mode, h32.ppo.objective.kind, h32.ppo.max_steps) == ("token", "ppo", 4)
+    assert h32.evaluate.adapter == recipe.ppo.init_adapter and h32.evaluate.start_adapter is None
+    changed = config_diff(h32, recipe)
+    assert changed and all(key.startswith(("ppo.", "evaluate.", "model.gradient_checkpointing")) for key in changed)
+    assert recipe.bootstrap == h32.bootstrap and recipe.data == h32.data and recipe.icrl_eval == h32.icrl_eval
+
+
 def test_params_file_takes_what_the_layers_say_even_when_it_is_not_one_of_them(tmp_path):
     """Written into params.yaml, the layers give the same config: kind changes replace the section, keys of
     params.yaml that no layer names return to their defaults, --set wins."""

@@ -80,7 +80,7 @@ probe() {  # probe ADAPTER OUTPUT: gate 1's feedback probe (trec_coarse, target 
 }
 
 forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and the 1509-item probe, base and adapter
-    step "forgetting $1" .venv/bin/python "$E/forgetting.py" "$1" "$2"
+    step "forgetting $1" .venv/bin/python "$E/forgetting.py" "$1" "$2" "${SKILL[@]}"
 }
 
 PARKED=$E/checkpoints

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -137,13 +138,60 @@ def _experiment_exists(name: str) -> bool:
     return any(ref.rsplit("/", 1)[-1] == name for ref in refs.stdout.split())
 
 
+EXPERIMENT_RESTORE = Path(".icrl") / "experiment-restore"
+
+
+def _keep_for_restore(saved: dict[Path, bytes | None]) -> None:
+    """Write the bytes a run with overrides must put back into EXPERIMENT_RESTORE before params.yaml changes, so
+    a run killed before its `finally` (kill -9, power loss) is undone by the next one. The manifest is written
+    last: a restore folder without it was never in use."""
+    from icrl_core.io import atomic_write_bytes, atomic_write_json
+
+    shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)
+    manifest = {}
+    for index, (path, data) in enumerate(saved.items()):
+        manifest[str(path)] = None if data is None else f"{index}.bin"
+        if data is not None:
+            atomic_write_bytes(EXPERIMENT_RESTORE / f"{index}.bin", data)
+    atomic_write_json(EXPERIMENT_RESTORE / "manifest.json", manifest)
+
+
+def _restore(saved: dict[Path, bytes | None]) -> None:
+    from icrl_core.io import atomic_write_bytes
+
+    for path, data in saved.items():
+        if data is None:
+            path.unlink(missing_ok=True)
+        elif not path.exists() or path.read_bytes() != data:
+            atomic_write_bytes(path, data)
+
+
+def recover_interrupted_experiment(logger: logging.Logger | logging.LoggerAdapter | None = None) -> bool:
+    """Put back params.yaml, dvc.lock and the metrics a killed run with overrides left changed (its
+    EXPERIMENT_RESTORE manifest is still there). Call it holding the workspace lock. True if there was one."""
+    manifest_path = EXPERIMENT_RESTORE / "manifest.json"
+    if not manifest_path.exists():
+        shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)  # a run killed while writing it changed nothing yet
+        return False
+    manifest = json.loads(manifest_path.read_text())
+    _restore({Path(path): None if name is None else (EXPERIMENT_RESTORE / name).read_bytes()
+              for path, name in manifest.items()})
+    shutil.rmtree(EXPERIMENT_RESTORE)
+    (logger or logging.getLogger(__name__)).warning(
+        "a run with overrides was stopped before it could restore the workspace: %s have their bytes from before "
+        "it again (its finished stages stay in DVC's run cache, its training checkpoints in .icrl/checkpoints)",
+        ", ".join(manifest))
+    return True
+
+
 @contextlib.contextmanager
 def dvc_experiment(overrides: dict[str, Any], name: str,
                    logger: logging.Logger | logging.LoggerAdapter | None = None) -> Iterator[None]:
     """Run the block as DVC experiment `name` with `overrides` (what `dvc exp run -S` does, stage by stage):
     params.yaml gets the overrides; when the block succeeds, `dvc exp save` records the workspace (params, dvc.lock,
     metrics); then, success or not, params.yaml, dvc.lock and the metrics files get their old bytes back and
-    `dvc checkout` restores the outputs that dvc.lock names from the DVC cache."""
+    `dvc checkout` restores the outputs that dvc.lock names from the DVC cache. The old bytes are kept on disk
+    too (EXPERIMENT_RESTORE) until then, so a run killed before its `finally` is undone by the next run."""
     from icrl_core.errors import UserError
 
     logger = logger or logging.getLogger(__name__)
@@ -153,7 +201,9 @@ def dvc_experiment(overrides: dict[str, Any], name: str,
                         "(git init && git add -A && git commit)")
     if _experiment_exists(name):
         raise UserError(f"a DVC experiment named '{name}' exists already (`dvc exp show`): choose another name")
+    recover_interrupted_experiment(logger)
     saved = {path: path.read_bytes() if path.exists() else None for path in experiment_files()}
+    _keep_for_restore(saved)
     apply_overrides(overrides)
     logger.info("experiment %s: params.yaml holds %s while it runs", name, overrides)
     try:
@@ -166,17 +216,12 @@ def dvc_experiment(overrides: dict[str, Any], name: str,
         logger.info("experiment %s saved: `dvc exp show` lists it, `dvc exp apply %s` brings its results back",
                     name, name)
     finally:
-        from icrl_core.io import atomic_write_bytes
-
-        for path, data in saved.items():
-            if data is None:
-                path.unlink(missing_ok=True)
-            elif not path.exists() or path.read_bytes() != data:
-                atomic_write_bytes(path, data)
+        _restore(saved)
+        shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)
         restored = _dvc("checkout")
         if restored.returncode != 0:
-            logger.warning("dvc checkout could not restore every output (%s): `dvc repro` recomputes them",
-                           (restored.stderr or restored.stdout).strip()[-500:])
+            logger.warning("dvc checkout could not restore every output (%s): the next `dvc repro` takes them from "
+                           "DVC's run cache or recomputes them", (restored.stderr or restored.stdout).strip()[-500:])
 
 
 def _experiment_name() -> str:
@@ -199,6 +244,7 @@ def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | N
     experiment: the experiment's name when there are overrides (default: the flow run's name and the time)."""
     logger = get_run_logger()
     with workspace_lock(logger):
+        recover_interrupted_experiment(logger)
         if not overrides:
             return _run_stages(stages)
         with dvc_experiment(overrides, experiment or _experiment_name(), logger):

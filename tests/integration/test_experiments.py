@@ -104,6 +104,35 @@ def test_a_failed_experiment_restores_params_and_saves_nothing(project):
     assert (project / "params.yaml").read_bytes() == before["params.yaml"]
 
 
+def test_a_run_killed_inside_an_experiment_is_undone_by_the_next_run(project):
+    """kill -9 skips the `finally` that restores params.yaml: the bytes kept in .icrl/experiment-restore are put back
+    by the next run, with or without overrides, and the next experiment records its own params only."""
+    import os
+
+    from flows.pipeline import EXPERIMENT_RESTORE, dvc_experiment, recover_interrupted_experiment
+
+    before = _snapshot(project)
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, signal, subprocess\n"
+         "from flows.pipeline import dvc_experiment\n"
+         "with dvc_experiment({'ppo.kl_beta': 0.9}, 'killed'):\n"
+         f"    subprocess.run([{str(BIN / 'dvc')!r}, 'repro'], check=True, capture_output=True)\n"
+         "    os.kill(os.getpid(), signal.SIGKILL)\n"],
+        cwd=project, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    assert "kl_beta: 0.9" in (project / "params.yaml").read_text()  # left changed: the finally never ran
+    assert (project / EXPERIMENT_RESTORE / "manifest.json").exists()
+
+    with dvc_experiment({"ppo.kl_beta": 0.5}, "after-kill"):
+        # params.yaml is the baseline's plus this run's override, not the killed run's
+        assert "kl_beta: 0.5" in (project / "params.yaml").read_text()
+        assert "# demo params" in (project / "params.yaml").read_text()
+        _dvc("repro", cwd=project)
+    assert _snapshot(project) == before
+    assert not (project / EXPERIMENT_RESTORE).exists()
+    assert recover_interrupted_experiment() is False  # nothing left to undo
+
+
 def test_the_workspace_lock_makes_a_second_run_wait(tmp_path):
     """Two processes, one folder: the second holder starts only after the first lets go."""
     code = ("import sys, time; from icrl_core.io import exclusive_lock\n"

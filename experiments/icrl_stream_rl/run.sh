@@ -33,6 +33,10 @@
 #   s22-gate2-SEED-STRATEGY, s22-forgetting  as for s15, for setting 22 (only if gate E22 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
+#   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
+#                 nlu or nlu_unsemantic: the recipe's evaluate stage on TASK, seed 100, explorative and
+#                 zero-shot, base model, adapters/recipe_bootstrap and adapters/recipe_rl, into
+#                 artifacts/final_tests/TASK
 #   cd-plain, cd-distill  issue 29's students (addendum 27): settings 1 and 2 trained again from the kept bootstrap
 #                 into artifacts/cd_plain and artifacts/cd_distill, then their gate-1 probe and forgetting measures
 #   cd-eval-SEED-ARM  one naive evaluation part of addendum 27 (SEED 100, 101, 102; ARM plain or distill) into
@@ -61,6 +65,9 @@ E=experiments/icrl_stream_rl
 ICRL=.venv/bin/icrl
 # The skill recipe as these runs layered it: its RL stage is now setting 16's, h32_ppo.yaml restores the keys
 SKILL=(-c params.yaml -c experiments/icrl_skill.yaml -c $E/h32_ppo.yaml)
+# The skill recipe as it is now (bootstrap -> setting 16's RL stage): what the final tests evaluate
+RECIPE=(-c params.yaml -c experiments/icrl_skill.yaml)
+FINAL_TASKS="trec_fine trec_fine_unsemantic nlu nlu_unsemantic"
 
 step() {  # step NAME COMMAND...: run, retried twice, timestamps in the log
     local name=$1 try
@@ -233,7 +240,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by un
 }
 
 for target in "$@"; do
-    case "$target" in s[0-9][0-9]|s[0-9][0-9]-*|ablation-*|cd-*) unpark ;; esac
+    case "$target" in s[0-9][0-9]|s[0-9][0-9]-*|ablation-*|cd-*|final-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -340,6 +347,16 @@ for target in "$@"; do
             step "$target" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
                 --set "evaluate.adapter=artifacts/cd_$arm/adapter" --set "evaluate.strategies=[naive]" \
                 --set "evaluate.output_dir=artifacts/cd_eval/seed$seed-$arm" ;;
+        final-*)
+            task=${target#final-}
+            if [[ " $FINAL_TASKS " != *" $task "* ]]; then
+                echo "run.sh: '$target': the final tests are final-{${FINAL_TASKS// /,}}" >&2
+                exit 2
+            fi
+            restore_kept recipe_bootstrap artifacts/recipe_bootstrap/adapter || exit 1
+            restore_kept recipe_rl artifacts/recipe_rl/adapter || exit 1
+            step "$target" "$ICRL" stage evaluate "${RECIPE[@]}" -c $E/final_tests.yaml --set "icrl_eval.task=$task" \
+                --set "evaluate.output_dir=artifacts/final_tests/$task" ;;
         park)
             park ;;
         *)
@@ -348,7 +365,7 @@ for target in "$@"; do
                  "s18, s18-gate2-SEED-STRATEGY, s18-forgetting, s19, s19-gate2-SEED-STRATEGY, s19-forgetting," \
                  "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting," \
-                 "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, park)" >&2
+                 "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac
 done

@@ -293,3 +293,23 @@ def test_the_work_folder_of_a_stored_run_is_neither_parked_nor_restored(project)
     shutil.copytree(store / "partial" / "going", project / PARKED / "evaluations" / "partial" / "done")
     _run(project, "s15")
     assert not (store / "partial" / "done").exists() and (store / "partial" / "going").exists()
+
+
+def test_a_final_test_evaluates_the_kept_recipe_adapters_on_its_task_with_the_recipe_config(project):
+    """Addendum 39: `final-TASK` runs the current recipe's evaluate stage (no h32 layer) with final_tests.yaml on
+    the task, the recipe's two kept adapters restored; a task outside the four final tests is a user error."""
+    _kept(project, "recipe_bootstrap")
+    _kept(project, "recipe_rl")
+    _run(project, "final-nlu_unsemantic")
+    (call,) = _calls(project)
+    assert call.startswith("stage evaluate -c params.yaml -c experiments/icrl_skill.yaml "
+                           "-c experiments/icrl_stream_rl/final_tests.yaml")
+    assert "h32_ppo.yaml" not in call
+    assert call.endswith("icrl_eval.task=nlu_unsemantic --set evaluate.output_dir=artifacts/final_tests/nlu_unsemantic")
+    for adapter in ("recipe_bootstrap", "recipe_rl"):
+        assert (project / "artifacts" / adapter / "adapter" / "adapter_model.safetensors").exists()
+    failed = subprocess.run(["bash", str(project / SCRIPT), "final-trec_coarse"], cwd=project, capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert failed.returncode == 2 and "final-{trec_fine,trec_fine_unsemantic,nlu,nlu_unsemantic}" in failed.stderr
+    assert len(_calls(project)) == 1  # nothing more ran
+

@@ -358,3 +358,17 @@ def test_stream_context_is_a_variant_and_hindsight_couples_need_the_naive_view()
     with pytest.raises(ConfigError, match=r"dpo.mine_hindsight renders each stream .* set "
                                           r"dpo.stream.context.kind=naive"):
         load_config(None, ["dpo.mine_hindsight=true", "dpo.stream.context.kind=explorative"], environ={})
+
+
+def test_the_final_tests_layer_evaluates_the_kept_recipe_adapters_without_the_trec_coarse_probes():
+    from tasks.settings import load_config
+
+    config = load_config([ROOT / "params.yaml", ROOT / "experiments/icrl_skill.yaml",
+                          ROOT / "experiments/icrl_stream_rl/final_tests.yaml"])
+    assert str(config.evaluate.adapter) == "artifacts/recipe_rl/adapter"
+    assert str(config.evaluate.start_adapter) == "artifacts/recipe_bootstrap/adapter"
+    assert config.evaluate.strategies == ["explorative", "zero_shot"]
+    assert config.evaluate.feedback_probe_target is None and config.evaluate.forgetting_probe_items == 0
+    # the recipe's evaluation protocol is what the final tests keep
+    assert (config.icrl_eval.train_k, config.icrl_eval.test_every, config.icrl_eval.test_k) == (1000, 250, 200)
+    assert config.icrl_eval.seed == 100 and config.evaluate.temperatures == {"explorative": 2.0}

@@ -1,0 +1,73 @@
+"""experiments/icrl_skill/collect_recipe.py: the recipe's end-to-end run and its final tests (addendum 39) go into
+results.json under keys of their own, H32's record untouched; bad arguments are one message and exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "experiments" / "icrl_stream_rl"))
+_spec = importlib.util.spec_from_file_location("collect_recipe", ROOT / "experiments" / "icrl_skill" / "collect_recipe.py")
+collect_recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(collect_recipe)
+
+
+def _evaluate_folder(folder, finals: dict[str, float], metrics: dict | None = None):
+    """An evaluate stage output: runs/<model>-<strategy>/ with metrics.json and steps.jsonl, and its metrics.json."""
+    for name, final in finals.items():
+        run = folder / "runs" / name
+        run.mkdir(parents=True)
+        (run / "metrics.json").write_text(json.dumps({"test_accuracy": {"0": 0.2, "999": final},
+                                                      "train_accuracy": 0.3, "regret": 700}))
+        (run / "steps.jsonl").write_text(json.dumps({"gold": "a", "prediction": "a", "reward": 1}) + "\n")
+    if metrics is not None:
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+    return folder
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"experiment": "icrl_skill", "runs": ["H32's record"]}))
+    monkeypatch.setattr(collect_recipe, "RESULTS", path)
+    return path
+
+
+def test_the_recipe_run_and_each_final_test_are_collected_beside_the_h32_record(tmp_path, results):
+    recipe = _evaluate_folder(tmp_path / "evaluate", {"trained-explorative": 0.5, "start-explorative": 0.45,
+                                                      "base-explorative": 0.2},
+                              {"gain_over_start": 0.05, "eligible": True, "task": "trec_coarse", "seconds": 60.0,
+                               "forgetting_probe_change": 0.004, "adapter_sha256": "ab" * 32})
+    promote = tmp_path / "promote.json"
+    promote.write_text(json.dumps({"alias": "champion", "eligible": True}))
+    assert collect_recipe.main(["--recipe", str(recipe), "--promote", str(promote), "--commit", "7e9e9e1",
+                                "--stage-minutes", "bootstrap=38", "--stage-minutes", "ppo=150.5"]) == 0
+    final = _evaluate_folder(tmp_path / "final", {"trained-explorative": 0.1}, None)  # still running
+    assert collect_recipe.main(["--final", f"nlu={final}"]) == 0
+    out = json.loads(results.read_text())
+    assert out["runs"] == ["H32's record"]  # kept
+    entry = out["recipe_rl"]
+    assert entry["runs"]["trained-explorative"]["test_accuracy"]["999"] == 0.5
+    assert entry["gain_over_start"] == 0.05 and entry["forgetting_probe_change"] == 0.004
+    assert entry["promote"]["alias"] == "champion" and entry["commit"] == "7e9e9e1"
+    assert entry["stage_minutes"] == {"bootstrap": 38.0, "ppo": 150.5} and entry["wall_minutes"] == 188.5
+    assert set(out["final_tests"]) == {"nlu"} and "gain_over_start" not in out["final_tests"]["nlu"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to collect"),
+    (["--final", "trec_coarse=."], "the final tests are trec_fine"),
+    (["--final", "nlu"], "expected NAME=VALUE"),
+    (["--recipe", "/nonexistent/evaluate"], "no such folder"),
+    (["--final", "nlu=.", "--stage-minutes", "ppo=long"], "--stage-minutes"),
+])
+def test_bad_arguments_are_one_message_and_exit_2(results, capsys, argv, message):
+    before = results.read_bytes()
+    assert collect_recipe.main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert results.read_bytes() == before

@@ -106,6 +106,65 @@ def skill_feedback_probe() -> str:
                   [[model, *(_fmt(v) for v in p[model])] for model in ("base", "trained")])
 
 
+def _last(run: dict | None) -> float | None:
+    return None if run is None else run["test_accuracy"][max(run["test_accuracy"], key=int)]
+
+
+def _difference(a: float | None, b: float | None) -> str:
+    return "" if a is None or b is None else _signed(a - b)
+
+
+def skill_recipe_rl() -> str:
+    """The recipe's end-to-end run (collect_recipe.py --recipe): per strategy, the base model, the bootstrap and the
+    RL adapter at the last test step, the RL adapter's curve, and the promotion outcome."""
+    entry = _json("experiments/icrl_skill/results.json").get("recipe_rl")
+    if not entry:
+        return "Not collected yet: the end-to-end run has not finished.\n"
+    rows = []
+    for strategy in ("explorative", "naive", "zero_shot"):
+        runs = {m: entry["runs"].get(f"{m}-{strategy}") for m in ("base", "start", "trained")}
+        if runs["trained"] is None:
+            continue
+        acc = runs["trained"]["test_accuracy"]
+        rows.append([strategy.replace("_", "-"), *(_fmt(_last(r)) if r else "" for r in runs.values()),
+                     _difference(_last(runs["trained"]), _last(runs["start"])),
+                     " / ".join(_fmt(acc[step]) for step in sorted(acc, key=int))])
+    notes = []
+    if "forgetting_probe_change" in entry:
+        notes.append(f"forgetting probe, RL adapter - base: {entry['forgetting_probe_change'] * 100:+.1f} points")
+    if "feedback_effect_n1_trained" in entry:
+        notes.append("feedback probe, p(target | 1 marked right) - p(target | 1 marked wrong): RL adapter "
+                     f"{_signed(entry['feedback_effect_n1_trained'])}, base {_signed(entry['feedback_effect_n1_base'])}")
+    if "promote" in entry:
+        notes.append(f"promote: alias `{entry['promote'].get('alias')}` (eligible: {entry['promote'].get('eligible')})")
+    if "wall_minutes" in entry:
+        parts = ", ".join(f"{stage} {minutes:g}" for stage, minutes in entry["stage_minutes"].items())
+        notes.append(f"wall time {entry['wall_minutes']:g} minutes ({parts})")
+    return (_table(["strategy", "base", "bootstrap (start)", "RL adapter", "RL - bootstrap",
+                    "RL adapter at each test step"], rows)
+            + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""))
+
+
+def skill_final_tests() -> str:
+    """The final tests of addendum 39 (collect_recipe.py --final): per task, each model's explorative and
+    zero-shot accuracy at the last test step, the RL adapter against the bootstrap and the base model, and each
+    model's explorative gain over its own zero-shot."""
+    finals = _json("experiments/icrl_skill/results.json").get("final_tests", {})
+    rows = []
+    for task, entry in finals.items():
+        explorative = {m: _last(entry["runs"].get(f"{m}-explorative")) for m in ("base", "start", "trained")}
+        zero_shot = {m: _last(entry["runs"].get(f"{m}-zero_shot")) for m in ("base", "start", "trained")}
+        rows.append([task, *(_fmt(v) for v in explorative.values()), *(_fmt(v) for v in zero_shot.values()),
+                     _difference(explorative["trained"], explorative["start"]),
+                     _difference(explorative["trained"], explorative["base"]),
+                     " / ".join(_difference(explorative[m], zero_shot[m]) or "-" for m in explorative)])
+    if not rows:
+        return "No final test is collected yet.\n"
+    return _table(["task", "explorative: base", "bootstrap", "RL adapter", "zero-shot: base", "bootstrap",
+                   "RL adapter", "RL - bootstrap (explorative)", "RL - base (explorative)",
+                   "explorative - own zero-shot: base / bootstrap / RL"], rows)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Benchmarks (bench/results/*.json)
 
@@ -823,6 +882,8 @@ def critic_code_run() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
+    "skill-recipe-rl": skill_recipe_rl,
+    "skill-final-tests": skill_final_tests,
     "critic-code-run": critic_code_run,
     "critic-run2": critic_run2,
     "critic-first-run": critic_first_run,

@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
 FINAL_TASKS = ("trec_fine", "trec_fine_unsemantic", "nlu", "nlu_unsemantic")
-GATES = ("gain", "gain_over_start", "eligible", "passes_gain", "passes_forgetting", "adapter_sha256")
+PER_RUN = ("base_", "start_", "trained_")  # metrics of one run: seed_row has them in `runs`
 
 sys.path.insert(0, str(HERE.parent / "icrl_stream_rl"))
 from collect_gate2 import seed_row  # one reading of an evaluate folder, shared with gate 2
@@ -34,15 +34,14 @@ class Usage(Exception):
 
 
 def evaluate_row(folder: Path) -> dict:
-    """An evaluate stage's output: seed_row's runs and measures, plus the stage's gate numbers when it finished."""
+    """An evaluate stage's output: seed_row's runs, and the stage's other metrics (gates, forgetting and feedback
+    measures, adapter sha256) when it has finished."""
     if not (folder / "runs").is_dir():
         raise Usage(f"{folder}: no runs/ folder: give the evaluate stage's output folder (evaluate.output_dir)")
     row = seed_row(folder)
     stage = folder / "metrics.json"
     metrics = json.loads(stage.read_text()) if stage.exists() else {}
-    row.update({key: metrics[key] for key in GATES if key in metrics})
-    if "task" in metrics:
-        row["task"] = metrics["task"]
+    row.update({key: value for key, value in metrics.items() if not key.startswith(PER_RUN) and key != "seconds"})
     return row
 
 

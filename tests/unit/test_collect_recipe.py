@@ -71,3 +71,27 @@ def test_bad_arguments_are_one_message_and_exit_2(results, capsys, argv, message
     assert collect_recipe.main(argv) == 2
     assert message in capsys.readouterr().err
     assert results.read_bytes() == before
+
+
+def test_the_report_tables_show_the_recipe_run_and_the_final_tests_once_collected(tmp_path, results, monkeypatch):
+    spec = importlib.util.spec_from_file_location("results_tables", ROOT / "scripts" / "results_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    monkeypatch.setattr(tables, "_json", lambda relative: json.loads(results.read_text()))
+    assert "not finished" in tables.skill_recipe_rl() and "No final test" in tables.skill_final_tests()
+
+    recipe = _evaluate_folder(tmp_path / "evaluate", {"trained-explorative": 0.5, "start-explorative": 0.45,
+                                                      "base-explorative": 0.2, "trained-naive": 0.21},
+                              {"forgetting_probe_change": 0.004, "feedback_effect_n1_trained": -0.01,
+                               "feedback_effect_n1_base": 0.0})
+    final = _evaluate_folder(tmp_path / "final", {"trained-explorative": 0.3, "start-explorative": 0.25,
+                                                  "base-explorative": 0.1, "trained-zero_shot": 0.2,
+                                                  "start-zero_shot": 0.2, "base-zero_shot": 0.15})
+    assert collect_recipe.main(["--recipe", str(recipe), "--stage-minutes", "ppo=150",
+                                "--final", f"trec_fine={final}"]) == 0
+    recipe_table = tables.skill_recipe_rl()
+    assert "| explorative | 0.200 | 0.450 | 0.500 | +0.050 | 0.200 / 0.500 |" in recipe_table
+    assert "| naive |  |  | 0.210 |  |" in recipe_table  # a run not collected is an empty cell
+    assert "+0.4 points" in recipe_table and "wall time 150 minutes" in recipe_table
+    assert ("| trec_fine | 0.100 | 0.250 | 0.300 | 0.150 | 0.200 | 0.200 | +0.050 | +0.200 | -0.050 / +0.050 / +0.100 |"
+            in tables.skill_final_tests())

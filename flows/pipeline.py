@@ -173,15 +173,33 @@ def recover_interrupted_experiment(logger: logging.Logger | logging.LoggerAdapte
     if not manifest_path.exists():
         shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)  # a run killed while writing it changed nothing yet
         return False
+    logger = logger or logging.getLogger(__name__)
     manifest = json.loads(manifest_path.read_text())
-    _restore({Path(path): None if name is None else (EXPERIMENT_RESTORE / name).read_bytes()
-              for path, name in manifest.items()})
+    saved = {Path(path): None if name is None else (EXPERIMENT_RESTORE / name).read_bytes()
+             for path, name in manifest.items()}
+    applied = EXPERIMENT_RESTORE / "applied.sha256"  # params.yaml as the killed run wrote it
+    params = Path(PARAMS_FILE)
+    if applied.exists() and params.exists() and sha256_bytes(params.read_bytes()) != applied.read_text().strip():
+        # edited by hand since the run was killed: the edit wins, the run's old bytes are kept beside it
+        kept = params.with_name(f"{params.name}.before-interrupted-run")
+        from icrl_core.io import atomic_write_bytes
+
+        if saved[params] is not None:
+            atomic_write_bytes(kept, saved[params])
+        del saved[params]
+        logger.warning("params.yaml changed since a run with overrides was stopped: left as it is; its bytes from "
+                       "before that run are in %s", kept)
+    _restore(saved)
     shutil.rmtree(EXPERIMENT_RESTORE)
-    (logger or logging.getLogger(__name__)).warning(
+    logger.warning(
         "a run with overrides was stopped before it could restore the workspace: %s have their bytes from before "
         "it again (its finished stages stay in DVC's run cache, its training checkpoints in .icrl/checkpoints)",
-        ", ".join(manifest))
+        ", ".join(str(path) for path in saved))
     return True
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @contextlib.contextmanager
@@ -204,7 +222,15 @@ def dvc_experiment(overrides: dict[str, Any], name: str,
     recover_interrupted_experiment(logger)
     saved = {path: path.read_bytes() if path.exists() else None for path in experiment_files()}
     _keep_for_restore(saved)
-    apply_overrides(overrides)
+    try:
+        apply_overrides(overrides)
+    except BaseException:  # an invalid value: params.yaml was not written, nothing to undo later
+        _restore(saved)
+        shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)
+        raise
+    from icrl_core.io import atomic_write_text
+
+    atomic_write_text(EXPERIMENT_RESTORE / "applied.sha256", sha256_bytes(Path(PARAMS_FILE).read_bytes()) + "\n")
     logger.info("experiment %s: params.yaml holds %s while it runs", name, overrides)
     try:
         yield

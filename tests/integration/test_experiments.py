@@ -4,6 +4,7 @@ and leaves params.yaml, dvc.lock, the metrics and the outputs as they were; one 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,8 +108,6 @@ def test_a_failed_experiment_restores_params_and_saves_nothing(project):
 def test_a_run_killed_inside_an_experiment_is_undone_by_the_next_run(project):
     """kill -9 skips the `finally` that restores params.yaml: the bytes kept in .icrl/experiment-restore are put back
     by the next run, with or without overrides, and the next experiment records its own params only."""
-    import os
-
     from flows.pipeline import EXPERIMENT_RESTORE, dvc_experiment, recover_interrupted_experiment
 
     before = _snapshot(project)
@@ -131,6 +130,27 @@ def test_a_run_killed_inside_an_experiment_is_undone_by_the_next_run(project):
     assert _snapshot(project) == before
     assert not (project / EXPERIMENT_RESTORE).exists()
     assert recover_interrupted_experiment() is False  # nothing left to undo
+    # an invalid override leaves nothing to undo either
+    with pytest.raises(Exception, match="ppo.kl_beta"), dvc_experiment({"ppo.kl_beta": "lots"}, "invalid"):
+        pass
+    assert not (project / EXPERIMENT_RESTORE).exists()
+
+
+def test_a_hand_edit_after_a_killed_experiment_wins_and_the_old_params_are_kept_beside_it(project):
+    from flows.pipeline import EXPERIMENT_RESTORE, recover_interrupted_experiment
+
+    before = (project / "params.yaml").read_bytes()
+    killed = subprocess.run(  # a run killed inside its experiment, as in the test above
+        [sys.executable, "-c", "import os, signal\nfrom flows.pipeline import dvc_experiment\n"
+         "with dvc_experiment({'ppo.kl_beta': 0.9}, 'killed'):\n    os.kill(os.getpid(), signal.SIGKILL)\n"],
+        cwd=project, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    edited = (project / "params.yaml").read_text().replace("kl_beta: 0.9", "kl_beta: 0.3")
+    (project / "params.yaml").write_text(edited)
+    assert recover_interrupted_experiment() is True
+    assert (project / "params.yaml").read_text() == edited
+    assert (project / "params.yaml.before-interrupted-run").read_bytes() == before
+    assert not (project / EXPERIMENT_RESTORE).exists()
 
 
 def test_the_workspace_lock_makes_a_second_run_wait(tmp_path):

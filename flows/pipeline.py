@@ -173,13 +173,15 @@ def recover_interrupted_experiment(logger: logging.Logger | logging.LoggerAdapte
     if not manifest_path.exists():
         shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)  # a run killed while writing it changed nothing yet
         return False
+    from icrl_core.io import sha256_file
+
     logger = logger or logging.getLogger(__name__)
     manifest = json.loads(manifest_path.read_text())
     saved = {Path(path): None if name is None else (EXPERIMENT_RESTORE / name).read_bytes()
              for path, name in manifest.items()}
     applied = EXPERIMENT_RESTORE / "applied.sha256"  # params.yaml as the killed run wrote it
     params = Path(PARAMS_FILE)
-    if applied.exists() and params.exists() and sha256_bytes(params.read_bytes()) != applied.read_text().strip():
+    if applied.exists() and params.exists() and sha256_file(params) != applied.read_text().strip():
         # edited by hand since the run was killed: the edit wins, the run's old bytes are kept beside it
         kept = params.with_name(f"{params.name}.before-interrupted-run")
         from icrl_core.io import atomic_write_bytes
@@ -196,10 +198,6 @@ def recover_interrupted_experiment(logger: logging.Logger | logging.LoggerAdapte
         "it again (its finished stages stay in DVC's run cache, its training checkpoints in .icrl/checkpoints)",
         ", ".join(str(path) for path in saved))
     return True
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @contextlib.contextmanager
@@ -228,9 +226,9 @@ def dvc_experiment(overrides: dict[str, Any], name: str,
         _restore(saved)
         shutil.rmtree(EXPERIMENT_RESTORE, ignore_errors=True)
         raise
-    from icrl_core.io import atomic_write_text
+    from icrl_core.io import atomic_write_text, sha256_file
 
-    atomic_write_text(EXPERIMENT_RESTORE / "applied.sha256", sha256_bytes(Path(PARAMS_FILE).read_bytes()) + "\n")
+    atomic_write_text(EXPERIMENT_RESTORE / "applied.sha256", sha256_file(PARAMS_FILE) + "\n")
     logger.info("experiment %s: params.yaml holds %s while it runs", name, overrides)
     try:
         yield
@@ -270,8 +268,8 @@ def pipeline_flow(overrides: dict[str, Any] | None = None, stages: list[str] | N
     experiment: the experiment's name when there are overrides (default: the flow run's name and the time)."""
     logger = get_run_logger()
     with workspace_lock(logger):
-        recover_interrupted_experiment(logger)
-        if not overrides:
+        if not overrides:  # (dvc_experiment recovers on its own)
+            recover_interrupted_experiment(logger)
             return _run_stages(stages)
         with dvc_experiment(overrides, experiment or _experiment_name(), logger):
             return _run_stages(stages)

@@ -46,10 +46,7 @@ def register(app: typer.Typer) -> None:
         flat = params_file_overrides(DEFAULT_PARAMS, files, overrides or [])
         if name is None and experiment:
             name = f"{experiment[-1].stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        from flows.services import run_stopping_children
-
-        results = run_stopping_children(
-            lambda: _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name))
+        results = _run_pipeline(overrides=flat or None, stages=stages or None, experiment=name)
         console().print_json(json.dumps(results, default=str))
 
     @app.command("sweep")
@@ -128,14 +125,21 @@ def _stopping(services, stop_descendants):
 
 
 def _run_pipeline(**kwargs) -> dict:
+    """The pipeline flow in this process (`icrl pipeline`, `icrl demo`), reporting to `prefect_api()`; SIGTERM or
+    SIGINT stops it and every process it started."""
     import os
 
     os.environ.setdefault("PREFECT_HOME", str((Path(".icrl") / "prefect").resolve()))
     # Prefect creates only the last folder of PREFECT_HOME: on a fresh clone .icrl/ does not exist yet.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     from flows.pipeline import pipeline_flow
+    from flows.services import prefect_api, run_stopping_children
 
-    return pipeline_flow(**kwargs)
+    def work() -> dict:
+        with prefect_api():
+            return pipeline_flow(**kwargs)
+
+    return run_stopping_children(work)
 
 
 def run_pipeline_with_summary(out) -> dict:

@@ -90,13 +90,14 @@ class Services:
         self.processes[name] = process
         return process
 
-    def start_prefect(self, wait: bool = True) -> None:
-        """Start the Prefect server; with `wait`, return once it answers (else see `wait_ready`)."""
+    def start_prefect(self, wait: bool = True, ui: bool = True, name: str = "prefect-server") -> None:
+        """Start the Prefect server (logs in .icrl/logs/NAME.log); with `wait`, return once it answers (else see
+        `wait_ready`)."""
         env = prefect_env()
         env["PREFECT_SERVER_API_HOST"] = self.host
         env["PREFECT_SERVER_API_PORT"] = str(self.prefect_port)
-        process = self._spawn("prefect-server", [_bin("prefect"), "server", "start", "--host", self.host,
-                                                 "--port", str(self.prefect_port)], env)
+        process = self._spawn(name, [_bin("prefect"), "server", "start", "--host", self.host,
+                                     "--port", str(self.prefect_port), "--ui" if ui else "--no-ui"], env)
         if wait:
             wait_http(f"{self.prefect_api}/health", process=process)
 
@@ -201,13 +202,57 @@ def _signal_all(processes: list, group: int | None, signum: int) -> None:
 
 def run_stopping_children(work: Callable[[], object]) -> object:
     """`work()`; on SIGTERM or SIGINT every process it started (stages, Ray, a temporary Prefect server) is stopped
-    before KeyboardInterrupt leaves (`icrl pipeline`)."""
+    before KeyboardInterrupt leaves (`icrl pipeline`, `icrl demo`)."""
     with stop_on_signals():
         try:
             return work()
         except KeyboardInterrupt:
             stop_descendants()
             raise
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[str]:
+    """The Prefect API that flows run in this process report to, for the `with` block. With PREFECT_API_URL set
+    (`icrl up`, a shared server) that one. Otherwise a temporary server on a free loopback port, in its own
+    session, stopped when the block ends: Prefect's own temporary server starts in the caller's process group,
+    so Ctrl-C in a terminal (which signals the whole foreground group) ended it before the flow had reported its
+    crash, and the flow then kept retrying to reach it for minutes. Here the signal reaches the flow and its
+    stages, the flow reports, then the server stops."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield PREFECT_API_URL.value()
+        return
+    services = Services(prefect_port=free_port())
+    try:
+        services.start_prefect(ui=False, name="prefect-temporary-server")
+        with temporary_settings(updates={PREFECT_API_URL: services.prefect_api}):
+            try:
+                yield services.prefect_api
+            finally:
+                _send_pending_prefect_reports()
+    finally:
+        services.stop(grace=10)
+
+
+def _send_pending_prefect_reports(timeout: float = 30.0) -> None:
+    """Send the logs and events Prefect still queues in background threads, while the server still answers
+    (otherwise they are retried against a stopped server at exit)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):  # best effort: what matters (states) was sent synchronously
+            worker.drain_all(timeout=timeout)
 
 
 @contextlib.contextmanager

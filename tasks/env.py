@@ -14,7 +14,8 @@ DEFAULTS = {
     "DVC_NO_ANALYTICS": "1",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    # The ephemeral Prefect server (`icrl demo`, `icrl pipeline` without `icrl up`) gets 20 s to start by default;
+    # Prefect's ephemeral server (a flow run without PREFECT_API_URL outside `icrl pipeline`/`icrl demo`, e.g. the
+    # tests) gets 20 s to start by default;
     # on a loaded 2-core machine it needed more and the run died before its first stage.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     # A Prefect server write waits this long for SQLite's lock (default 10 s) before answering 503; on a loaded

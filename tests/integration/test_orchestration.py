@@ -286,6 +286,24 @@ def test_dvc_repro_again_runs_nothing(project):
     print(f"no-op dvc repro: {seconds:.1f}s")
 
 
+def test_icrl_pipeline_in_a_terminal_reports_to_a_temporary_server_it_stops(project):
+    """`icrl pipeline` without PREFECT_API_URL: the flow reports to a temporary Prefect server of its own (in its own
+    session, see tests/integration/test_signals.py for Ctrl-C) and stops it; every stage is up to date here."""
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PREFECT_HOME"] = str(project / ".icrl" / "prefect")
+    result = subprocess.run([str(BIN / "icrl"), "pipeline"], cwd=project, env=env, check=False, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert set(json.loads(result.stdout[result.stdout.index("{"):])) >= {"ppo", "evaluate"}
+    server_log = project / ".icrl" / "logs" / "prefect-temporary-server.log"
+    assert server_log.exists()
+    port = int((result.stdout + result.stderr).split("View at http://127.0.0.1:")[1].split("/")[0])
+    with socket.socket() as sock:  # nothing listens there any more
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+
+
 def test_dvc_plots_render_the_learning_curves_offline(project):
     result = _run([str(BIN / "dvc"), "plots", "show", "--json"], project)
     plots = json.loads(result.stdout[result.stdout.index("{"):])

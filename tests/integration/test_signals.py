@@ -116,3 +116,82 @@ def test_pipeline_guard_stops_children_in_their_own_sessions(tmp_path, signum):
             from flows.services import stop_tree
 
             stop_tree(work.pid, grace=5)
+
+
+_FLOW_SCRIPT = """
+import subprocess, sys, time
+from prefect import flow, task
+from flows.services import prefect_api, run_stopping_children
+
+@task
+def stage(sleep: bool) -> int:
+    if sleep:
+        subprocess.Popen(["sleep", "300"])
+        print("started", flush=True)
+        time.sleep(300)
+    return 42
+
+@flow
+def guarded(sleep: bool) -> int:
+    return stage(sleep)
+
+def work():
+    with prefect_api() as api:
+        print("api", api, flush=True)
+        print("result", guarded(sys.argv[1] == "sleep"), flush=True)
+
+run_stopping_children(work)
+"""
+
+
+def _group_leader(tmp_path, mode: str, log: Path) -> subprocess.Popen:
+    """The script in a session of its own, as a command a user started in a terminal (its process group is the
+    terminal's foreground group, which Ctrl-C signals as a whole)."""
+    script = tmp_path / "flow.py"
+    script.write_text(_FLOW_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, str(script), mode], cwd=tmp_path, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_flow_reports_to_a_temporary_server_it_stops(tmp_path):
+    log = tmp_path / "flow.log"
+    run = _group_leader(tmp_path, "finish", log)
+    try:
+        assert run.wait(timeout=120) == 0, log.read_text()
+        text = log.read_text()
+        assert "result 42" in text and "Finished in state Completed" in text, text
+        port = int(text.split("api http://127.0.0.1:")[1].split("/")[0])
+        assert _port_is_free(port)  # the temporary server stopped with the flow
+    finally:
+        if run.poll() is None:
+            from flows.services import stop_tree
+
+            stop_tree(run.pid, grace=5)
+
+
+def test_ctrl_c_to_the_process_group_ends_the_flow_at_once(tmp_path):
+    """Ctrl-C signals the terminal's whole process group. With Prefect's own temporary server (in that group) the
+    server died first and the flow retried reaching it for minutes (seen: over 2 min, then kill -9); with
+    `prefect_api()` the flow reports its crash to a server the signal did not reach, and everything stops."""
+    log = tmp_path / "flow.log"
+    run = _group_leader(tmp_path, "sleep", log)
+    try:
+        _wait_for(lambda: "started" in log.read_text(), 120, "the flow's task", run, log)
+        children = psutil.Process(run.pid).children(recursive=True)
+        port = int(log.read_text().split("api http://127.0.0.1:")[1].split("/")[0])
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=60) != 0, log.read_text()
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, [_command(p) for p in alive]
+        assert _port_is_free(port)
+        text = log.read_text()
+        assert "Flow run" in text and "Finished in state Crashed" in text, text  # reported before the server stopped
+        assert "Error logging to API" not in text, text
+    finally:
+        if run.poll() is None:
+            from flows.services import stop_tree
+
+            stop_tree(run.pid, grace=5)

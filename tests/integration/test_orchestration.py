@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.services import prefect_rest
+from flows.services import free_port, prefect_rest
 from tasks.stages import pipeline_stages, stage_names
 from tests.conftest import ROOT, TASKS_DIR
 
@@ -64,12 +64,6 @@ TINY_PIPELINE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
     result = subprocess.run(args, cwd=cwd, check=False, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -85,13 +79,13 @@ def ray_head(request) -> str:
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="icrl-h-", dir="/tmp"))  # short: Ray's AF_UNIX socket paths
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "RAY_worker_niceness": "0"}
     log = open(folder / "head.log", "w+")  # noqa: SIM115 - read back while the head runs
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}",
                              "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
-                             f"--dashboard-port={_free_port()}", f"--temp-dir={folder / 'ray'}",
+                             f"--dashboard-port={free_port()}", f"--temp-dir={folder / 'ray'}",
                              "--disable-usage-stats"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -172,7 +166,7 @@ def test_prefect_ui_style_trigger_runs_the_pipeline_through_dvc_into_mlflow(proj
     monkeypatch.setenv("PREFECT_WORKER_QUERY_SECONDS", "2")
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     params_before = (project / "params.yaml").read_bytes()
-    services = Services(prefect_port=_free_port())
+    services = Services(prefect_port=free_port())
     try:
         services.start_prefect()
         services.ensure_work_pool()

@@ -14,15 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flows.services import free_port
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _port_is_free(port: int) -> bool:
@@ -55,7 +50,7 @@ def _command(process: psutil.Process) -> str:
 
 
 def test_up_stops_every_child_on_sigterm(tmp_path):
-    prefect_port, mlflow_port = _free_port(), _free_port()
+    prefect_port, mlflow_port = free_port(), free_port()
     log = tmp_path / "up.log"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)

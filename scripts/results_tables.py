@@ -145,24 +145,43 @@ def skill_recipe_rl() -> str:
             + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""))
 
 
+def _paired_difference(accuracy: dict, paired: dict, first: str, second: str) -> str:
+    """accuracy[first] - accuracy[second], with the paired standard error when the pair was collected."""
+    text = _difference(accuracy[first], accuracy[second])
+    pair = paired.get(f"{first}-{second}")
+    return f"{text} ± {pair['standard_error']:.3f}" if text and pair else text
+
+
 def skill_final_tests() -> str:
     """The final tests of addendum 39 (collect_recipe.py --final): per task, each model's explorative and
-    zero-shot accuracy at the last test step, the RL adapter against the bootstrap and the base model, and each
-    model's explorative gain over its own zero-shot."""
+    zero-shot accuracy at the last test step, the explorative differences between models (with the paired standard
+    error on the same test queries once both runs are collected), each model's explorative gain over its own
+    zero-shot; then every run's test curve and its minutes."""
     finals = _json("experiments/icrl_skill/results.json").get("final_tests", {})
-    rows = []
+    models = ("base", "start", "trained")
+    rows, curves = [], []
     for task, entry in finals.items():
-        explorative = {m: _last(entry["runs"].get(f"{m}-explorative")) for m in ("base", "start", "trained")}
-        zero_shot = {m: _last(entry["runs"].get(f"{m}-zero_shot")) for m in ("base", "start", "trained")}
+        explorative = {m: _last(entry["runs"].get(f"{m}-explorative")) for m in models}
+        zero_shot = {m: _last(entry["runs"].get(f"{m}-zero_shot")) for m in models}
+        paired = entry.get("paired", {}).get("explorative", {})
         rows.append([task, *(_fmt(v) for v in explorative.values()), *(_fmt(v) for v in zero_shot.values()),
-                     _difference(explorative["trained"], explorative["start"]),
-                     _difference(explorative["trained"], explorative["base"]),
-                     " / ".join(_difference(explorative[m], zero_shot[m]) or "-" for m in explorative)])
+                     *(_paired_difference(explorative, paired, first, second)
+                       for first, second in (("trained", "start"), ("start", "base"), ("trained", "base"))),
+                     " / ".join(_difference(explorative[m], zero_shot[m]) or "-" for m in models)])
+        for name, run in sorted(entry["runs"].items()):
+            curve = run["test_accuracy"]
+            minutes = entry.get("run_minutes", {}).get(name)
+            curves.append([task, name.replace("trained-", "RL-").replace("start-", "bootstrap-"),
+                           " / ".join(_fmt(curve[step]) for step in sorted(curve, key=int)),
+                           "-" if minutes is None else f"{minutes:g}"])
     if not rows:
         return "No final test is collected yet.\n"
-    return _table(["task", "explorative: base", "bootstrap", "RL adapter", "zero-shot: base", "bootstrap",
-                   "RL adapter", "RL - bootstrap (explorative)", "RL - base (explorative)",
-                   "explorative - own zero-shot: base / bootstrap / RL"], rows)
+    return (_table(["task", "explorative: base", "bootstrap", "RL adapter", "zero-shot: base", "bootstrap",
+                    "RL adapter", "RL - bootstrap (explorative)", "bootstrap - base", "RL - base",
+                    "explorative - own zero-shot: base / bootstrap / RL"], rows)
+            + "\n± is the paired standard error of the difference on the same 200 test queries (test noise of one "
+              "seed, not the spread between seeds).\n\n"
+            + _table(["task", "run", "test accuracy at each test step", "minutes"], curves))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,11 @@ their own: the record of recipe H32 above them stays as it is.
 `--recipe` is the recipe's evaluate stage output (after `dvc exp apply NAME`, since a run with overrides leaves the
 workspace as it was): every run's test curve, the forgetting and feedback measures, the promotion gates and the
 evaluated adapters' sha256. `--final TASK=FOLDER` is one final test's evaluate output (`run.sh final-TASK`); a task
-collected again replaces its entry, a task still running is collected with the runs it has finished. Exit 2 with
-one message on a missing folder or a bad argument.
+collected again replaces its entry, a task still running is collected with the runs it has finished. A final test
+also gets, per strategy, the paired differences at the last test step (paired_gain.py: RL adapter - bootstrap,
+bootstrap - base, RL adapter - base, on the same test queries, with their standard errors; gold labels from the
+task under the runs' data.tasks_dir, relative to the working directory) and each run's minutes. Exit 2 with one
+message on a missing folder or a bad argument.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ PER_RUN = ("base_", "start_", "trained_")  # metrics of one run: seed_row has th
 
 sys.path.insert(0, str(HERE.parent / "icrl_stream_rl"))
 from collect_gate2 import seed_row  # one reading of an evaluate folder, shared with gate 2
+from paired_gain import pair_rows  # the paired difference of two runs on the same test queries
+
+from icrl_core.errors import UserError
+
+# The model pairs a final test reports (addendum 39): RL adapter - bootstrap, bootstrap - base, RL adapter - base.
+MODEL_PAIRS = (("trained", "start"), ("start", "base"), ("trained", "base"))
 
 
 class Usage(Exception):
@@ -43,6 +52,41 @@ def evaluate_row(folder: Path) -> dict:
     metrics = json.loads(stage.read_text()) if stage.exists() else {}
     row.update({key: value for key, value in metrics.items() if not key.startswith(PER_RUN) and key != "seconds"})
     return row
+
+
+def paired_rows(folder: Path) -> dict:
+    """Per strategy and model pair (MODEL_PAIRS) whose two runs both wrote tests.jsonl: the paired difference at the
+    last test step both reached (`first`, `second` accuracies; `only_first`/`only_second` right; its standard error)."""
+    runs = folder / "runs"
+    out: dict[str, dict] = {}
+    for strategy in sorted({run.name.split("-", 1)[1] for run in runs.iterdir() if "-" in run.name}):
+        for first, second in MODEL_PAIRS:
+            pair = runs / f"{first}-{strategy}", runs / f"{second}-{strategy}"
+            if not all((run / "tests.jsonl").is_file() for run in pair):
+                continue
+            try:
+                steps = pair_rows(*pair)["steps"]
+            except UserError as exc:
+                raise Usage(str(exc)) from None
+            if not steps:
+                continue
+            last = max(steps, key=int)
+            d = steps[last]
+            out.setdefault(strategy, {})[f"{first}-{second}"] = {
+                "step": int(last), "n": d["n"], "first": d["trained"], "second": d["start"],
+                "only_first": d["only_trained"], "only_second": d["only_start"], "difference": d["difference"],
+                "standard_error": d["standard_error"]}
+    return out
+
+
+def run_minutes(folder: Path) -> dict[str, float]:
+    """Each run's own compute time (its metrics.json `seconds`, summed over the sessions it ran in), in minutes."""
+    minutes = {}
+    for run in sorted((folder / "runs").iterdir()):
+        seconds = json.loads((run / "metrics.json").read_text()).get("seconds")
+        if seconds is not None:
+            minutes[run.name] = round(seconds / 60, 1)
+    return minutes
 
 
 def _pairs(values: list[str], what: str) -> dict[str, str]:
@@ -71,7 +115,9 @@ def collect(results: dict, recipe: Path | None, promote: Path | None, commit: st
     for task, folder in finals.items():
         if task not in FINAL_TASKS:
             raise Usage(f"--final {task}: the final tests are {', '.join(FINAL_TASKS)} (addendum 39)")
-        results.setdefault("final_tests", {})[task] = evaluate_row(folder)
+        row = evaluate_row(folder)
+        row.update(paired=paired_rows(folder), run_minutes=run_minutes(folder))
+        results.setdefault("final_tests", {})[task] = row
     return results
 
 

@@ -93,5 +93,55 @@ def test_the_report_tables_show_the_recipe_run_and_the_final_tests_once_collecte
     assert "| explorative | 0.200 | 0.450 | 0.500 | +0.050 | 0.200 / 0.500 |" in recipe_table
     assert "| naive |  |  | 0.210 |  |" in recipe_table  # a run not collected is an empty cell
     assert "+0.4 points" in recipe_table and "wall time 150 minutes" in recipe_table
-    assert ("| trec_fine | 0.100 | 0.250 | 0.300 | 0.150 | 0.200 | 0.200 | +0.050 | +0.200 | -0.050 / +0.050 / +0.100 |"
-            in tables.skill_final_tests())
+    final_tables = tables.skill_final_tests()
+    assert ("| trec_fine | 0.100 | 0.250 | 0.300 | 0.150 | 0.200 | 0.200 | +0.050 | +0.150 | +0.200 |"
+            " -0.050 / +0.050 / +0.100 |" in final_tables)
+    assert "| trec_fine | RL-explorative | 0.200 / 0.300 | - |" in final_tables
+
+
+def _toy_task(tmp_path):
+    folder = tmp_path / "tasks" / "toy"
+    folder.mkdir(parents=True)
+    (folder / "labels.txt").write_text("yes\nno\n")
+    rows = [{"text": f"query {i}", "label": "yes" if i % 2 else "no"} for i in range(6)]
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return tmp_path / "tasks"
+
+
+def test_a_final_test_gets_the_paired_differences_between_models_and_each_runs_minutes(tmp_path, results):
+    from icrl_core.task_data import load_task_from_dir
+
+    tasks_dir = _toy_task(tmp_path)
+    gold = [example.label for example in load_task_from_dir("toy", tasks_dir).test_set(4, 3)]
+    flip = {"yes": "no", "no": "yes"}
+    answers = {"trained": [gold[0], gold[1], flip[gold[2]], gold[3]],  # right on 0, 1, 3
+               "start": [gold[0], flip[gold[1]], gold[2], flip[gold[3]]],  # right on 0, 2
+               "base": [flip[g] for g in gold]}  # right on none
+    final = tmp_path / "final"
+    for model, predictions in answers.items():
+        run = final / "runs" / f"{model}-explorative"
+        run.mkdir(parents=True)
+        evaluation = {"task": "toy", "seed": 100, "test_k": 4, "test_seed": 3, "strategy": "explorative"}
+        (run / "config.json").write_text(json.dumps({"icrl_eval": evaluation, "data": {"tasks_dir": str(tasks_dir)}}))
+        (run / "tests.jsonl").write_text(json.dumps({"step": 999, "predictions": predictions}) + "\n")
+        accuracy = sum(p == g for p, g in zip(predictions, gold)) / 4
+        (run / "metrics.json").write_text(json.dumps({"test_accuracy": {"999": accuracy}, "seconds": 600.0}))
+        (run / "steps.jsonl").write_text(json.dumps({"gold": "a", "prediction": "a", "reward": 1}) + "\n")
+    assert collect_recipe.main(["--final", f"trec_fine={final}"]) == 0
+    entry = json.loads(results.read_text())["final_tests"]["trec_fine"]
+    trained_start = entry["paired"]["explorative"]["trained-start"]
+    # only RL right on queries 1 and 3, only the bootstrap on query 2: (2 - 1) / 4, sqrt(3 - 1/4) / 4
+    assert (trained_start["only_first"], trained_start["only_second"], trained_start["step"]) == (2, 1, 999)
+    assert trained_start["difference"] == pytest.approx(0.25)
+    assert trained_start["standard_error"] == pytest.approx((3 - 1 / 4) ** 0.5 / 4)
+    assert entry["paired"]["explorative"]["start-base"]["difference"] == pytest.approx(0.5)
+    assert entry["paired"]["explorative"]["trained-base"]["difference"] == pytest.approx(0.75)
+    assert entry["run_minutes"] == {"base-explorative": 10.0, "start-explorative": 10.0, "trained-explorative": 10.0}
+
+    other = json.loads((final / "runs" / "base-explorative" / "config.json").read_text())
+    other["icrl_eval"]["seed"] = 101  # not the same stream: not a paired measurement
+    (final / "runs" / "base-explorative" / "config.json").write_text(json.dumps(other))
+    before = results.read_bytes()
+    assert collect_recipe.main(["--final", f"trec_fine={final}"]) == 2
+    assert results.read_bytes() == before

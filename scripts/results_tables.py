@@ -156,7 +156,8 @@ def skill_final_tests() -> str:
     """The final tests of addendum 39 (collect_recipe.py --final): per task, each model's explorative and
     zero-shot accuracy at the last test step, the explorative differences between models (with the paired standard
     error on the same test queries once both runs are collected), each model's explorative gain over its own
-    zero-shot; then every run's test curve and its minutes."""
+    zero-shot; then every run's test curve, its accuracy on its own training stream (the rewards it earned) and its
+    minutes."""
     finals = _json("experiments/icrl_skill/results.json").get("final_tests", {})
     models = ("base", "start", "trained")
     rows, curves = [], []
@@ -173,7 +174,7 @@ def skill_final_tests() -> str:
             minutes = entry.get("run_minutes", {}).get(name)
             curves.append([task, name.replace("trained-", "RL-").replace("start-", "bootstrap-"),
                            " / ".join(_fmt(curve[step]) for step in sorted(curve, key=int)),
-                           "-" if minutes is None else f"{minutes:g}"])
+                           _fmt(run.get("train_accuracy")), "-" if minutes is None else f"{minutes:g}"])
     if not rows:
         return "No final test is collected yet.\n"
     return (_table(["task", "explorative: base", "bootstrap", "RL adapter", "zero-shot: base", "bootstrap",
@@ -181,7 +182,8 @@ def skill_final_tests() -> str:
                     "explorative - own zero-shot: base / bootstrap / RL"], rows)
             + "\n± is the paired standard error of the difference on the same 200 test queries (test noise of one "
               "seed, not the spread between seeds).\n\n"
-            + _table(["task", "run", "test accuracy at each test step", "minutes"], curves))
+            + _table(["task", "run", "test accuracy at each test step", "accuracy on its 1000-step stream",
+                      "minutes"], curves))
 
 
 # --------------------------------------------------------------------------------------------------------------

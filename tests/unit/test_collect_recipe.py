@@ -96,7 +96,7 @@ def test_the_report_tables_show_the_recipe_run_and_the_final_tests_once_collecte
     final_tables = tables.skill_final_tests()
     assert ("| trec_fine | 0.100 | 0.250 | 0.300 | 0.150 | 0.200 | 0.200 | +0.050 | +0.150 | +0.200 |"
             " -0.050 / +0.050 / +0.100 |" in final_tables)
-    assert "| trec_fine | RL-explorative | 0.200 / 0.300 | - |" in final_tables
+    assert "| trec_fine | RL-explorative | 0.200 / 0.300 | 0.300 | - |" in final_tables
 
 
 def _toy_task(tmp_path):

@@ -10,9 +10,11 @@ their own: the record of recipe H32 above them stays as it is.
 workspace as it was): every run's test curve, the forgetting and feedback measures, the promotion gates and the
 evaluated adapters' sha256. `--final TASK=FOLDER` is one final test's evaluate output (`run.sh final-TASK`); a task
 collected again replaces its entry, a task still running is collected with the runs it has finished. A final test
-also gets, per strategy, the paired differences at the last test step (paired_gain.py: RL adapter - bootstrap,
-bootstrap - base, RL adapter - base, on the same test queries, with their standard errors; gold labels from the
-task under the runs' data.tasks_dir, relative to the working directory) and each run's minutes. Exit 2 with one
+leaves out the stage's promotion verdicts (`eligible`, `passes_*`: no forgetting is measured on a final test and
+the gates are trec_coarse's) and gets, per strategy, the paired differences at the last test step (paired_gain.py:
+RL adapter - bootstrap, bootstrap - base, RL adapter - base, on the same test queries, with their standard errors;
+gold labels from the task under the runs' data.tasks_dir, relative to the working directory) and each run's
+minutes. Exit 2 with one
 message on a missing folder or a bad argument.
 """
 
@@ -27,6 +29,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
 FINAL_TASKS = ("trec_fine", "trec_fine_unsemantic", "nlu", "nlu_unsemantic")
 PER_RUN = ("base_", "start_", "trained_")  # metrics of one run: seed_row has them in `runs`
+# The evaluate stage's promotion verdicts: a final test measures no forgetting and its task is not the gate's, so
+# they mean nothing there and are left out of its entry (its gains, plain differences, stay).
+GATE_VERDICTS = ("eligible", "passes_")
 
 sys.path.insert(0, str(HERE.parent / "icrl_stream_rl"))
 from collect_gate2 import seed_row  # one reading of an evaluate folder, shared with gate 2
@@ -115,7 +120,7 @@ def collect(results: dict, recipe: Path | None, promote: Path | None, commit: st
     for task, folder in finals.items():
         if task not in FINAL_TASKS:
             raise Usage(f"--final {task}: the final tests are {', '.join(FINAL_TASKS)} (addendum 39)")
-        row = evaluate_row(folder)
+        row = {key: value for key, value in evaluate_row(folder).items() if not key.startswith(GATE_VERDICTS)}
         row.update(paired=paired_rows(folder), run_minutes=run_minutes(folder))
         results.setdefault("final_tests", {})[task] = row
     return results

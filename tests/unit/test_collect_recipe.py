@@ -58,6 +58,15 @@ def test_the_recipe_run_and_each_final_test_are_collected_beside_the_h32_record(
     assert entry["promote"]["alias"] == "champion" and entry["commit"] == "7e9e9e1"
     assert entry["stage_minutes"] == {"bootstrap": 38.0, "ppo": 150.5} and entry["wall_minutes"] == 188.5
     assert set(out["final_tests"]) == {"nlu"} and "gain_over_start" not in out["final_tests"]["nlu"]
+    # once finished, a final test keeps the stage's gains and leaves out its promotion verdicts (no forgetting is
+    # measured there and the gates are the development task's)
+    finished = _evaluate_folder(tmp_path / "finished", {"trained-explorative": 0.1},
+                                {"gain_over_start": -0.01, "eligible": False, "passes_forgetting": True,
+                                 "passes_gain_over_start": False, "task": "nlu"})
+    assert collect_recipe.main(["--final", f"nlu={finished}"]) == 0
+    nlu = json.loads(results.read_text())["final_tests"]["nlu"]
+    assert nlu["gain_over_start"] == -0.01 and nlu["task"] == "nlu"
+    assert not [key for key in nlu if key == "eligible" or key.startswith("passes_")]
 
 
 @pytest.mark.parametrize("argv, message", [

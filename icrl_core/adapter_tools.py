@@ -1,5 +1,6 @@
 """Operations on a saved adapter folder that need its base model (docs/FORMATS.md): load it as a policy, rewrite
-it in the current format, interpolate it toward the base model, export it merged into a transformers folder.
+it in the current format, interpolate it toward the base model, extrapolate a fine-tuning step beyond its end point,
+export it merged into a transformers folder.
 The folder format itself is icrl_core/adapter_format.py, below icrl_core/model.py; this module is above both."""
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from icrl_core.adapter_format import PEFT_WEIGHTS, is_legacy, load_safetensors, read_meta, saved_adapter
+from icrl_core.adapter_format import (
+    META,
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    is_legacy,
+    load_safetensors,
+    read_meta,
+    saved_adapter,
+)
 from icrl_core.config import LoraAdapter
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_dir
@@ -67,6 +76,74 @@ def interpolate_adapter(folder: Path | str, scale: float, output: Path | str,
             if path.is_file() and path.name != PEFT_WEIGHTS:
                 shutil.copy2(path, tmp / path.name)
         save_file(scaled, str(tmp / PEFT_WEIGHTS), metadata=metadata)
+    return Path(output)
+
+
+def extrapolate_adapter(start: Path | str, trained: Path | str, scale: float, output: Path | str) -> Path:
+    """Write W_start + scale * (W_trained - W_start) as a LoRA adapter folder at `output`, atomically: the step a
+    fine-tuning stage took from `start` to `trained` (e.g. the RL stage from the supervised bootstrap it continued),
+    taken `scale` times (scale > 1 extrapolates past `trained`, as ExPO does for aligned models; 1 gives `trained`'s
+    weights, 0 `start`'s). Both must be LoRA folders in PEFT's files with the same rank, alpha and target modules.
+    Each delta is (alpha / r) * B @ A, so the result is exact as a LoRA of twice the rank and twice the alpha (same
+    alpha / r): A' = [A_trained; A_start] (2r x in), B' = [scale * B_trained, (1 - scale) * B_start] (out x 2r),
+    and B' @ A' = scale * B_trained @ A_trained + (1 - scale) * B_start @ A_start. Standard files: PEFT loads the
+    folder as it is. The other files (icrl_adapter.json, the value head) are `trained`'s, with the rank and alpha
+    doubled."""
+    import json
+    import math
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+
+    if not (math.isfinite(scale) and scale >= 0):
+        raise UserError(f"extrapolation scale must be a finite number >= 0, got {scale}")
+    folders = {"start": Path(start), "trained": Path(trained)}
+    configs = {}
+    for role, folder in folders.items():
+        meta = read_meta(folder)
+        if meta is None:
+            raise UserError(f"{folder}: no saved adapter there (see docs/FORMATS.md)")
+        if is_legacy(folder) or (meta.get("adapter") or {}).get("kind") != "lora" \
+                or not (folder / PEFT_WEIGHTS).is_file() or not (folder / PEFT_CONFIG).is_file():
+            raise UserError(f"{folder}: extrapolation needs a LoRA adapter in PEFT's files (the {role} adapter "
+                            "is not one; `icrl model convert` rewrites an old one)")
+        config = json.loads((folder / PEFT_CONFIG).read_text())
+        if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern") \
+                or config.get("use_dora"):
+            raise UserError(f"{folder}: rsLoRA, DoRA and per-module ranks or alphas are not supported here")
+        configs[role] = config
+    shape = {role: (c.get("r"), c.get("lora_alpha"), sorted(c.get("target_modules") or []))
+             for role, c in configs.items()}
+    if shape["start"] != shape["trained"]:
+        raise UserError(f"{folders['trained']} (rank, alpha, modules {shape['trained']}) did not continue "
+                        f"{folders['start']} ({shape['start']}): extrapolation needs the same LoRA shape")
+    weights = {role: load_safetensors(folder / PEFT_WEIGHTS) for role, folder in folders.items()}
+    if set(weights["start"]) != set(weights["trained"]):
+        raise UserError(f"{folders['trained']} and {folders['start']} hold different LoRA tensors")
+    with safe_open(str(folders["trained"] / PEFT_WEIGHTS), framework="pt") as handle:
+        metadata = handle.metadata()
+    stacked = {}
+    for name, trained_tensor in weights["trained"].items():
+        start_tensor = weights["start"][name]
+        if "lora_A" in name:  # (r, in): rows stacked
+            stacked[name] = torch.cat([trained_tensor, start_tensor], dim=0).contiguous()
+        elif "lora_B" in name:  # (out, r): columns stacked, each side scaled
+            stacked[name] = torch.cat([scale * trained_tensor, (1.0 - scale) * start_tensor], dim=1).contiguous()
+        else:
+            raise UserError(f"{folders['trained'] / PEFT_WEIGHTS}: unexpected tensor {name} in a LoRA adapter")
+    rank, alpha = 2 * configs["trained"]["r"], 2 * configs["trained"]["lora_alpha"]
+    with atomic_dir(output) as tmp:
+        for path in folders["trained"].iterdir():
+            if path.is_file() and path.name not in (PEFT_WEIGHTS, PEFT_CONFIG, META):
+                shutil.copy2(path, tmp / path.name)
+        (tmp / PEFT_CONFIG).write_text(json.dumps({**configs["trained"], "r": rank, "lora_alpha": alpha},
+                                                  indent=2) + "\n")
+        if (folders["trained"] / META).is_file():
+            meta = json.loads((folders["trained"] / META).read_text())
+            meta["adapter"] = {**meta["adapter"], "rank": rank, "alpha": alpha}
+            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        save_file(stacked, str(tmp / PEFT_WEIGHTS), metadata=metadata)
     return Path(output)
 
 

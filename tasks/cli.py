@@ -282,6 +282,26 @@ def model_interpolate(
     console().print(f"{output}: base + {scale:g} x ({adapter} - base)")
 
 
+@model_app.command("extrapolate")
+def model_extrapolate(
+    start: Annotated[Path, typer.Argument(help="The adapter the stage started from (e.g. the bootstrap's).",
+                                          show_default=False, **INPUT_FOLDER)],
+    trained: Annotated[Path, typer.Argument(help="The adapter that stage wrote by continuing `start` (same LoRA "
+                                            "rank, alpha and modules).", show_default=False, **INPUT_FOLDER)],
+    scale: Annotated[float, typer.Option(help="How many times to take the step from start to trained: the "
+                                         "weights become start + scale * (trained - start). 1 = trained, > 1 "
+                                         "goes past it (ExPO).", min=0.0, max=10.0)],
+    output: Annotated[Path, typer.Option(help="Folder for the extrapolated adapter, a PEFT LoRA of twice the rank "
+                                         "(written atomically).", show_default=False, **OUTPUT_FOLDER)],
+) -> None:
+    """Extrapolate the step a fine-tuning stage took from one adapter to another (exact, as a LoRA of rank 2r)."""
+    from icrl_core.adapter_format import require_adapter
+    from icrl_core.adapter_tools import extrapolate_adapter
+
+    extrapolate_adapter(require_adapter(start, "start"), require_adapter(trained, "trained"), scale, output)
+    console().print(f"{output}: {start} + {scale:g} x ({trained} - {start})")
+
+
 @model_app.command("convert")
 def model_convert(
     adapter: Annotated[Path, typer.Argument(help="Adapter folder in the old layout (adapter.safetensors + "

@@ -31,6 +31,11 @@
 #   s22           setting 22 (addendum 38): setting 21 with groups of 8 streams at the same budget (20 iterations),
 #                 then gate E22 at seeds 7 and 8 (explorative, 1000 steps) and its probe
 #   s22-gate2-SEED-STRATEGY, s22-forgetting  as for s15, for setting 22 (only if gate E22 passes)
+#   s23           setting 23 (addendum 40): no training; setting 16's step from the bootstrap taken twice
+#                 (`icrl model extrapolate`, scale 2, from the two kept adapters) into
+#                 artifacts/extrapolated_streams/adapter, then gate E23 at seeds 7 and 8 (explorative, 1000 steps)
+#                 and its probe
+#   s23-gate2-SEED-STRATEGY, s23-forgetting  as for s15, for setting 23 (only if gate E23 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -197,7 +202,7 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 # The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
-                         [21]=many_label_streams [22]=wide_group_streams)
+                         [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -208,12 +213,21 @@ setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OU
     return 1
 }
 
+extrapolated() {  # setting 23's adapter (addendum 40): bootstrap + 2 x (setting 16's adapter - bootstrap), built
+                  # from the two kept adapters (deterministic: nothing of it is kept in the repository)
+    [[ -f artifacts/extrapolated_streams/adapter/adapter_model.safetensors ]] && return 0
+    restore_kept bootstrap_h32 artifacts/bootstrap/adapter || return 1
+    restore_kept burn_in_streams artifacts/burn_in_streams/adapter || return 1
+    step "s23: extrapolate" "$ICRL" model extrapolate artifacts/bootstrap/adapter artifacts/burn_in_streams/adapter \
+        --scale 2 --output artifacts/extrapolated_streams/adapter
+}
+
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
     local part=${3#s$1-gate2-} adapter=artifacts/$2/adapter
     local seed=${part%%-*} strategy=${part#*-}
     restore_kept bootstrap_h32 artifacts/bootstrap/adapter || return 1
-    restore_kept "$2" "$adapter" || return 1
+    if [[ $2 == extrapolated_streams ]]; then extrapolated || return 1; else restore_kept "$2" "$adapter" || return 1; fi
     step "$3" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
         --set "evaluate.adapter=$adapter" --set "evaluate.strategies=[$strategy]" \
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
@@ -266,7 +280,8 @@ for target in "$@"; do
             gate2_part "${target:1:2}" "$output" "$target" || exit 1 ;;
         s[0-9][0-9]-forgetting)
             setting_output "${target:1:2}" "$target" || exit 2
-            restore_kept "$output" "artifacts/$output/adapter" || exit 1
+            if [[ $output == extrapolated_streams ]]; then extrapolated || exit 1
+            else restore_kept "$output" "artifacts/$output/adapter" || exit 1; fi
             forgetting "artifacts/$output/adapter" "runs/${target%-forgetting}/forgetting.json" ;;
         s16)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
@@ -319,6 +334,10 @@ for target in "$@"; do
                 -c $E/wide_group_streams.yaml
             gate_two_seeds 22
             probe artifacts/wide_group_streams/adapter runs/s22/probe.json ;;
+        s23)
+            extrapolated || exit 1
+            gate_two_seeds 23
+            probe artifacts/extrapolated_streams/adapter runs/s23/probe.json ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -364,7 +383,7 @@ for target in "$@"; do
                  "s16, s16-gate2-SEED-STRATEGY, s16-forgetting, s17, s17-gate2-SEED-STRATEGY, s17-forgetting," \
                  "s18, s18-gate2-SEED-STRATEGY, s18-forgetting, s19, s19-gate2-SEED-STRATEGY, s19-forgetting," \
                  "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
-                 "s22, s22-gate2-SEED-STRATEGY, s22-forgetting," \
+                 "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

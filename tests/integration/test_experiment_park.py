@@ -313,3 +313,22 @@ def test_a_final_test_evaluates_the_kept_recipe_adapters_on_its_task_with_the_re
     assert failed.returncode == 2 and "final-{trec_fine,trec_fine_unsemantic,nlu,nlu_unsemantic}" in failed.stderr
     assert len(_calls(project)) == 1  # nothing more ran
 
+
+
+def test_setting_23_extrapolates_setting_16s_step_from_the_kept_adapters_then_runs_its_two_seed_gate(project):
+    _kept(project, "burn_in_streams")
+    _kept(project, "bootstrap_h32")
+    _run(project, "s23")
+    extrapolate, seed7, seed8, probe = _calls(project)
+    assert extrapolate == ("model extrapolate artifacts/bootstrap/adapter artifacts/burn_in_streams/adapter "
+                           "--scale 2 --output artifacts/extrapolated_streams/adapter")
+    assert seed7.startswith("stage evaluate ") and seed7.endswith(
+        "gate_explorative_s23.yaml --set icrl_eval.seed=7 --set evaluate.output_dir=artifacts/gate_explorative_s23")
+    assert seed8.endswith("--set icrl_eval.seed=8 --set evaluate.output_dir=artifacts/gate_explorative_s23_seed8")
+    assert probe.startswith("probe-feedback ") and "artifacts/extrapolated_streams/adapter" in probe
+    # a gate-2 part builds the adapter the same way when it is not there (nothing of it is kept in the repository)
+    _run(project, "s23-gate2-100-explorative")
+    extrapolate_again, part = _calls(project)[4:]
+    assert extrapolate_again == extrapolate
+    assert "evaluate.adapter=artifacts/extrapolated_streams/adapter" in part
+    assert "evaluate.output_dir=artifacts/gate2_s23/seed100-explorative" in part

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -135,6 +137,58 @@ def test_an_interpolated_adapter_folder_gives_the_interpolated_policy(tiny, tmp_
     assert torch.allclose(got, expected, atol=1e-6) and torch.equal(got_values, values)
     with pytest.raises(UserError, match=r"\[0, 1\]"):
         interpolate_adapter(tmp_path / "trained", -0.5, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_an_extrapolated_adapter_takes_the_step_from_start_to_trained_scale_times(tmp_path):
+    """extrapolate_adapter: W_start + s (W_trained - W_start), exact as a rank-2r LoRA with the same alpha / r, for
+    every LoRA module (checked on the merged deltas against hand-computed ones); s = 1 gives the trained policy's
+    logits, s = 0 the start's; the folder is standard PEFT (rank 2r in both configs) and keeps the value head."""
+    from safetensors.torch import load_file
+
+    from icrl_core.adapter_tools import extrapolate_adapter
+
+    adapter = LoraAdapter(rank=4, alpha=8)
+    policy = load_policy("tiny", seed=0, adapter=adapter, value_head=True)
+    _perturb_trainable(policy, seed=1)
+    policy.save_adapter(tmp_path / "start")
+    start = _lora_deltas(policy)
+    _perturb_trainable(policy, seed=2)  # the stage continues the start adapter
+    policy.save_adapter(tmp_path / "trained")
+    trained = _lora_deltas(policy)
+    ids = _ids(policy)
+
+    extrapolate_adapter(tmp_path / "start", tmp_path / "trained", 2.5, tmp_path / "x2.5")
+    config = json.loads((tmp_path / "x2.5" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 16)
+    assert saved_adapter(tmp_path / "x2.5") == LoraAdapter(rank=8, alpha=16)
+    assert (tmp_path / "x2.5" / "value_head.safetensors").read_bytes() == (
+        tmp_path / "trained" / "value_head.safetensors").read_bytes()
+    assert all(t.shape[0] == 8 for n, t in load_file(tmp_path / "x2.5" / "adapter_model.safetensors").items()
+               if "lora_A" in n)
+    far = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=8, alpha=16), init_adapter=tmp_path / "x2.5")
+    got = _lora_deltas(far)
+    assert set(got) == set(trained) and len(got) == 8  # q, k, v, o in the tiny model's two blocks
+    for name in trained:
+        assert torch.allclose(got[name], start[name] + 2.5 * (trained[name] - start[name]), atol=1e-6), name
+
+    for scale, folder in ((1.0, "trained"), (0.0, "start")):
+        extrapolate_adapter(tmp_path / "start", tmp_path / "trained", scale, tmp_path / f"s{scale}")
+        loaded = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=8, alpha=16), init_adapter=tmp_path / f"s{scale}")
+        same = load_policy("tiny", seed=0, adapter=adapter, init_adapter=tmp_path / folder)
+        with torch.no_grad():
+            assert torch.allclose(loaded.forward(ids)[0], same.forward(ids)[0], atol=1e-5), scale
+
+    other = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=2, alpha=8))
+    other.save_adapter(tmp_path / "rank2")
+    with pytest.raises(UserError, match="did not continue"):
+        extrapolate_adapter(tmp_path / "rank2", tmp_path / "trained", 2.0, tmp_path / "never")
+    with pytest.raises(UserError, match="finite number >= 0"):
+        extrapolate_adapter(tmp_path / "start", tmp_path / "trained", float("nan"), tmp_path / "never")
+    blocks = load_policy("tiny", seed=0, adapter=LastBlocksAdapter(n_blocks=1))
+    blocks.save_adapter(tmp_path / "blocks")
+    with pytest.raises(UserError, match="LoRA adapter in PEFT's files"):
+        extrapolate_adapter(tmp_path / "blocks", tmp_path / "trained", 2.0, tmp_path / "never")
     assert not (tmp_path / "never").exists()
 
 

@@ -65,8 +65,12 @@ demo: setup
 # after ~490 other tests in one process, a thread's OpenMP thread count no longer matched the one vLLM's CPU
 # attention had planned a step for ("Check failed: thread_num == thread_num (2 vs. 1)") and the engine never
 # finished that step; in a fresh process they pass.
+# The rest runs in TEST_WORKERS pytest-xdist processes, a test file per worker (module fixtures stay in one
+# process): tests spend much of their time waiting on servers, Ray and console scripts starting, so on 2 cores two
+# workers take about a third less wall time than one.
+TEST_WORKERS ?= 2
 test: setup-vllm
-	$(PY) -m pytest -q tests --ignore=tests/integration/test_vllm_backend.py
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/integration/test_vllm_backend.py
 	ICRL_REQUIRE_VLLM=1 $(PY) -m pytest -q tests/integration/test_vllm_backend.py
 
 # The fast tier: tests/unit (pure code and the tiny model; no servers, Ray, console scripts, real model or sandbox).

@@ -31,6 +31,11 @@ from tasks.settings import PipelineConfig, RayConfig
 log = logging.getLogger(__name__)
 
 RAY_DIR = Path(".icrl")
+# A local Ray puts AF_UNIX sockets under its temp dir (<dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store,
+# up to 70 more characters), and a socket path stops at 107 bytes: a project folder deeper than about 30 characters
+# would not start Ray. Such a project's Ray folder moves to the system's temp dir, one per project.
+SOCKET_PATH_MAX = 107
+SOCKET_SUFFIX = len("/session_2026-12-01_18-42-22_584244_4194304/sockets/plasma_store")
 FINAL_KEY = "icrl_final_metrics"
 # What a cluster's workers import from the job's runtime_env, and what is never uploaded with it.
 SHIPPED_PACKAGES = ("icrl_core", "tasks", "flows")
@@ -93,6 +98,18 @@ def ray_devices(use_gpu: str | bool, model_device: str, cluster_gpus: float) -> 
     return bool(use_gpu), collective_backend(device)
 
 
+def ray_temp_dir() -> Path:
+    """A local Ray's folder: .icrl/ray in the working folder, or /tmp/icrl-ray-<digest of that path> when Ray's
+    socket paths under it would be longer than AF_UNIX allows (SOCKET_PATH_MAX)."""
+    import hashlib
+    import tempfile
+
+    temp_dir = (RAY_DIR / "ray").resolve()
+    if len(str(temp_dir)) + SOCKET_SUFFIX <= SOCKET_PATH_MAX:
+        return temp_dir
+    return Path(tempfile.gettempdir()) / f"icrl-ray-{hashlib.sha256(str(temp_dir).encode()).hexdigest()[:12]}"
+
+
 def ensure_ray(cfg: RayConfig) -> None:
     """Connect to `cfg.address`, or start a local Ray bound to 127.0.0.1 (once per process)."""
     import ray
@@ -109,8 +126,8 @@ def ensure_ray(cfg: RayConfig) -> None:
         os.environ.setdefault(key, value)
     # The raylet reads its config from RAY_<name> variables when it starts (Ray's default niceness is 15).
     os.environ["RAY_worker_niceness"] = str(cfg.worker_niceness)
-    temp_dir = (RAY_DIR / "ray").resolve()
-    temp_dir.mkdir(parents=True, exist_ok=True)
+    temp_dir = ray_temp_dir()
+    temp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     # No dashboard (it would need ray[default] and another port); Ray's own INFO/WARNING chatter from its
     # actors (e.g. the placement-group cleaner, which polls the dashboard's state API) is silenced.
     ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -89,3 +89,24 @@ def test_a_stage_outside_ray_stages_trains_in_process(tmp_path, monkeypatch):
     assert not (tmp_path / ".icrl" / "ray").exists() and not (tmp_path / ".icrl" / "ray_results").exists()
     with pytest.raises(ConfigError, match="ray.stages"):
         load_config(None, ["ray.stages=[evaluate]"], environ={})
+
+
+def test_a_deep_project_runs_its_local_ray_from_a_short_folder(tmp_path, monkeypatch):
+    """Ray's AF_UNIX socket paths under its folder stop at 107 bytes: .icrl/ray in a short project, a folder of the
+    system's temp dir named after the project in a deep one (one per project)."""
+    from tasks.ray_train import SOCKET_PATH_MAX, SOCKET_SUFFIX, ray_temp_dir
+
+    short = tmp_path.parent / "p"
+    short.mkdir(exist_ok=True)
+    monkeypatch.chdir(short)
+    if len(str(short / ".icrl" / "ray")) + SOCKET_SUFFIX <= SOCKET_PATH_MAX:
+        assert ray_temp_dir() == short.resolve() / ".icrl" / "ray"
+    deep = tmp_path / ("a-project-folder-deeper-than-ray-sockets-allow" * 2)
+    deep.mkdir()
+    monkeypatch.chdir(deep)
+    moved = ray_temp_dir()
+    assert moved.name.startswith("icrl-ray-") and len(str(moved)) + SOCKET_SUFFIX <= SOCKET_PATH_MAX
+    other = tmp_path / ("another-project-folder-deeper-than-ray-sockets-allow" * 2)
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert ray_temp_dir() != moved

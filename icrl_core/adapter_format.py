@@ -68,6 +68,11 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def read_peft_config(folder: Path | str) -> dict:
+    """The folder's PEFT adapter_config.json (CheckpointError when it is not a readable JSON object)."""
+    return _read_json(Path(folder) / PEFT_CONFIG)
+
+
 def read_meta(folder: Path | str) -> dict | None:
     """The folder's description: {"spec", "adapter", "value_head"} from icrl_adapter.json (format 2) or adapter.json
     (format 1), or derived from a plain PEFT adapter_config.json (spec: its base model); None if there is none."""
@@ -76,7 +81,7 @@ def read_meta(folder: Path | str) -> dict | None:
         if (folder / name).is_file():
             return _read_json(folder / name)
     if (folder / PEFT_CONFIG).is_file():
-        peft = _read_json(folder / PEFT_CONFIG)
+        peft = read_peft_config(folder)
         if peft.get("peft_type") != "LORA":
             raise CheckpointError(f"{folder / PEFT_CONFIG}: a {peft.get('peft_type')} adapter; only LoRA loads")
         try:

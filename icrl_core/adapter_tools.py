@@ -18,6 +18,7 @@ from icrl_core.adapter_format import (
     is_legacy,
     load_safetensors,
     read_meta,
+    read_peft_config,
     saved_adapter,
 )
 from icrl_core.config import LoraAdapter
@@ -46,6 +47,24 @@ def convert_adapter(folder: Path | str, output: Path | str | None = None, spec: 
     return target
 
 
+def _peft_lora_meta(folder: Path) -> dict | None:
+    """The folder's description if it is a LoRA adapter in PEFT's files (format 2 or a plain PEFT folder), whose
+    weights can be rewritten in the file without the base model; None otherwise."""
+    meta = read_meta(folder)
+    kind = ((meta or {}).get("adapter") or {}).get("kind")
+    if is_legacy(folder) or kind != "lora" or not (folder / PEFT_WEIGHTS).is_file():
+        return None
+    return meta
+
+
+def _weights_metadata(folder: Path) -> dict[str, str] | None:
+    """The header metadata of the folder's PEFT weights file (kept when the file is rewritten)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / PEFT_WEIGHTS), framework="pt") as handle:
+        return handle.metadata()
+
+
 def interpolate_adapter(folder: Path | str, scale: float, output: Path | str,
                         load_policy: Callable[[], Any] | None = None) -> Path:
     """Write base + scale * (trained - base) as an adapter folder at `output`, atomically (WiSE-FT; see
@@ -55,21 +74,16 @@ def interpolate_adapter(folder: Path | str, scale: float, output: Path | str,
     `load_policy()` (default: policy_for_adapter(folder)), interpolated there and saved."""
     import shutil
 
-    from safetensors import safe_open
-
     if not 0.0 <= scale <= 1.0:
         raise UserError(f"interpolation scale must be in [0, 1], got {scale}")
     folder = Path(folder)
-    meta = read_meta(folder)
-    kind = ((meta or {}).get("adapter") or {}).get("kind")
-    if is_legacy(folder) or kind != "lora" or not (folder / PEFT_WEIGHTS).is_file():
+    if _peft_lora_meta(folder) is None:
         policy = load_policy() if load_policy is not None else policy_for_adapter(folder)
         policy.interpolate_to_reference(scale)
         policy.save_adapter(output)
         return Path(output)
     tensors = load_safetensors(folder / PEFT_WEIGHTS)
-    with safe_open(str(folder / PEFT_WEIGHTS), framework="pt") as handle:
-        metadata = handle.metadata()
+    metadata = _weights_metadata(folder)
     scaled = {name: tensor * scale if "lora_B" in name else tensor for name, tensor in tensors.items()}
     with atomic_dir(output) as tmp:
         for path in folder.iterdir():
@@ -94,21 +108,18 @@ def extrapolate_adapter(start: Path | str, trained: Path | str, scale: float, ou
     import shutil
 
     import torch
-    from safetensors import safe_open
 
     if not (math.isfinite(scale) and scale >= 0):
         raise UserError(f"extrapolation scale must be a finite number >= 0, got {scale}")
     folders = {"start": Path(start), "trained": Path(trained)}
     configs = {}
     for role, folder in folders.items():
-        meta = read_meta(folder)
-        if meta is None:
+        if read_meta(folder) is None:
             raise UserError(f"{folder}: no saved adapter there (see docs/FORMATS.md)")
-        if is_legacy(folder) or (meta.get("adapter") or {}).get("kind") != "lora" \
-                or not (folder / PEFT_WEIGHTS).is_file() or not (folder / PEFT_CONFIG).is_file():
+        if _peft_lora_meta(folder) is None or not (folder / PEFT_CONFIG).is_file():
             raise UserError(f"{folder}: extrapolation needs a LoRA adapter in PEFT's files (the {role} adapter "
                             "is not one; `icrl model convert` rewrites an old one)")
-        config = json.loads((folder / PEFT_CONFIG).read_text())
+        config = read_peft_config(folder)
         if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern") \
                 or config.get("use_dora"):
             raise UserError(f"{folder}: rsLoRA, DoRA and per-module ranks or alphas are not supported here")
@@ -121,8 +132,6 @@ def extrapolate_adapter(start: Path | str, trained: Path | str, scale: float, ou
     weights = {role: load_safetensors(folder / PEFT_WEIGHTS) for role, folder in folders.items()}
     if set(weights["start"]) != set(weights["trained"]):
         raise UserError(f"{folders['trained']} and {folders['start']} hold different LoRA tensors")
-    with safe_open(str(folders["trained"] / PEFT_WEIGHTS), framework="pt") as handle:
-        metadata = handle.metadata()
     stacked = {}
     for name, trained_tensor in weights["trained"].items():
         start_tensor = weights["start"][name]
@@ -133,17 +142,18 @@ def extrapolate_adapter(start: Path | str, trained: Path | str, scale: float, ou
         else:
             raise UserError(f"{folders['trained'] / PEFT_WEIGHTS}: unexpected tensor {name} in a LoRA adapter")
     rank, alpha = 2 * configs["trained"]["r"], 2 * configs["trained"]["lora_alpha"]
+    trained_folder = folders["trained"]
     with atomic_dir(output) as tmp:
-        for path in folders["trained"].iterdir():
+        for path in trained_folder.iterdir():
             if path.is_file() and path.name not in (PEFT_WEIGHTS, PEFT_CONFIG, META):
                 shutil.copy2(path, tmp / path.name)
         (tmp / PEFT_CONFIG).write_text(json.dumps({**configs["trained"], "r": rank, "lora_alpha": alpha},
                                                   indent=2) + "\n")
-        if (folders["trained"] / META).is_file():
-            meta = json.loads((folders["trained"] / META).read_text())
+        if (trained_folder / META).is_file():  # format 2: its description, with the new shape
+            meta = read_meta(trained_folder)
             meta["adapter"] = {**meta["adapter"], "rank": rank, "alpha": alpha}
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        save_file(stacked, str(tmp / PEFT_WEIGHTS), metadata=metadata)
+        save_file(stacked, str(tmp / PEFT_WEIGHTS), metadata=_weights_metadata(trained_folder))
     return Path(output)
 
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 RAY_DIR = Path(".icrl")
 # A local Ray puts AF_UNIX sockets under its temp dir (<dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store,
-# up to 70 more characters), and a socket path stops at 107 bytes: a project folder deeper than about 30 characters
+# up to 64 more characters), and a socket path stops at 107 bytes: a project folder longer than about 33 characters
 # would not start Ray. Such a project's Ray folder moves to the system's temp dir, one per project.
 SOCKET_PATH_MAX = 107
 SOCKET_SUFFIX = len("/session_2026-12-01_18-42-22_584244_4194304/sockets/plasma_store")

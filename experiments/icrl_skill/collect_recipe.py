@@ -14,8 +14,7 @@ leaves out the stage's promotion verdicts (`eligible`, `passes_*`: no forgetting
 the gates are trec_coarse's) and gets, per strategy, the paired differences at the last test step (paired_gain.py:
 RL adapter - bootstrap, bootstrap - base, RL adapter - base, on the same test queries, with their standard errors;
 gold labels from the task under the runs' data.tasks_dir, relative to the working directory) and each run's
-minutes. Exit 2 with one
-message on a missing folder or a bad argument.
+minutes. Exit 2 with one message on a missing folder or a bad argument.
 """
 
 from __future__ import annotations

@@ -222,12 +222,17 @@ extrapolated() {  # setting 23's adapter (addendum 40): bootstrap + 2 x (setting
         --scale 2 --output artifacts/extrapolated_streams/adapter
 }
 
+setting_adapter() {  # setting_adapter OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter, restored from its kept copy (or,
+                     # for setting 23's, built from the kept adapters it is derived from)
+    if [[ $1 == extrapolated_streams ]]; then extrapolated; else restore_kept "$1" "artifacts/$1/adapter"; fi
+}
+
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
     local part=${3#s$1-gate2-} adapter=artifacts/$2/adapter
     local seed=${part%%-*} strategy=${part#*-}
     restore_kept bootstrap_h32 artifacts/bootstrap/adapter || return 1
-    if [[ $2 == extrapolated_streams ]]; then extrapolated || return 1; else restore_kept "$2" "$adapter" || return 1; fi
+    setting_adapter "$2" || return 1
     step "$3" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
         --set "evaluate.adapter=$adapter" --set "evaluate.strategies=[$strategy]" \
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
@@ -280,8 +285,7 @@ for target in "$@"; do
             gate2_part "${target:1:2}" "$output" "$target" || exit 1 ;;
         s[0-9][0-9]-forgetting)
             setting_output "${target:1:2}" "$target" || exit 2
-            if [[ $output == extrapolated_streams ]]; then extrapolated || exit 1
-            else restore_kept "$output" "artifacts/$output/adapter" || exit 1; fi
+            setting_adapter "$output" || exit 1
             forgetting "artifacts/$output/adapter" "runs/${target%-forgetting}/forgetting.json" ;;
         s16)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1

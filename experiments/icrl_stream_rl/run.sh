@@ -36,6 +36,10 @@
 #                 artifacts/extrapolated_streams/adapter, then gate E23 at seeds 7 and 8 (explorative, 1000 steps)
 #                 and its probe
 #   s23-gate2-SEED-STRATEGY, s23-forgetting  as for s15, for setting 23 (only if gate E23 passes)
+#   s24           setting 24 (addendum 41): no training; the average of settings 16's and 21's adapters (`icrl model
+#                 extrapolate`, scale 0.5, from the two kept adapters) into artifacts/souped_streams/adapter, then
+#                 gate E24 at seeds 7 and 8 (explorative, 1000 steps) and its probe
+#   s24-gate2-SEED-STRATEGY, s24-forgetting  as for s15, for setting 24 (only if gate E24 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -202,7 +206,8 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 # The trained output (and kept adapter) of the settings whose gate-2 parts and forgetting targets run here.
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
-                         [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams)
+                         [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
+                         [24]=souped_streams)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -213,18 +218,28 @@ setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OU
     return 1
 }
 
-extrapolated() {  # setting 23's adapter (addendum 40): bootstrap + 2 x (setting 16's adapter - bootstrap), built
-                  # from the two kept adapters (deterministic: nothing of it is kept in the repository)
-    [[ -f artifacts/extrapolated_streams/adapter/adapter_model.safetensors ]] && return 0
-    restore_kept bootstrap_h32 artifacts/bootstrap/adapter || return 1
-    restore_kept burn_in_streams artifacts/burn_in_streams/adapter || return 1
-    step "s23: extrapolate" "$ICRL" model extrapolate artifacts/bootstrap/adapter artifacts/burn_in_streams/adapter \
-        --scale 2 --output artifacts/extrapolated_streams/adapter
+# Adapters derived from two kept adapters by `icrl model extrapolate START TRAINED --scale S` (deterministic: nothing
+# of them is kept in the repository): output dir -> "START_KEPT TRAINED_KEPT SCALE".
+declare -A DERIVED=([extrapolated_streams]="bootstrap_h32 burn_in_streams 2"   # setting 23 (addendum 40)
+                    [souped_streams]="many_label_streams burn_in_streams 0.5")  # setting 24 (addendum 41)
+
+kept_folder() {  # kept_folder KEPT: where run.sh restores adapters/KEPT
+    if [[ $1 == bootstrap_h32 ]]; then echo artifacts/bootstrap/adapter; else echo "artifacts/$1/adapter"; fi
 }
 
-setting_adapter() {  # setting_adapter OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter, restored from its kept copy (or,
-                     # for setting 23's, built from the kept adapters it is derived from)
-    if [[ $1 == extrapolated_streams ]]; then extrapolated; else restore_kept "$1" "artifacts/$1/adapter"; fi
+derived() {  # derived OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter built from DERIVED's two kept adapters
+    [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] && return 0
+    local start trained scale
+    read -r start trained scale <<< "${DERIVED[$1]}"
+    restore_kept "$start" "$(kept_folder "$start")" || return 1
+    restore_kept "$trained" "$(kept_folder "$trained")" || return 1
+    step "$1: extrapolate" "$ICRL" model extrapolate "$(kept_folder "$start")" "$(kept_folder "$trained")" \
+        --scale "$scale" --output "artifacts/$1/adapter"
+}
+
+setting_adapter() {  # setting_adapter OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter, restored from its kept copy or, for
+                     # a DERIVED one, built from the kept adapters it is derived from
+    if [[ -n ${DERIVED[$1]:-} ]]; then derived "$1"; else restore_kept "$1" "artifacts/$1/adapter"; fi
 }
 
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
@@ -338,10 +353,11 @@ for target in "$@"; do
                 -c $E/wide_group_streams.yaml
             gate_two_seeds 22
             probe artifacts/wide_group_streams/adapter runs/s22/probe.json ;;
-        s23)
-            extrapolated || exit 1
-            gate_two_seeds 23
-            probe artifacts/extrapolated_streams/adapter runs/s23/probe.json ;;
+        s23|s24)
+            output=${SETTING_OUTPUT[${target:1:2}]}
+            derived "$output" || exit 1
+            gate_two_seeds "${target:1:2}"
+            probe "artifacts/$output/adapter" "runs/$target/probe.json" ;;
         ablation-ppo|ablation-grpo|ablation-rloo)
             arm=${target#ablation-}
             trained "ablation_$arm" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
@@ -388,6 +404,7 @@ for target in "$@"; do
                  "s18, s18-gate2-SEED-STRATEGY, s18-forgetting, s19, s19-gate2-SEED-STRATEGY, s19-forgetting," \
                  "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
+                 "s24, s24-gate2-SEED-STRATEGY, s24-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

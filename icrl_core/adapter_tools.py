@@ -5,7 +5,7 @@ The folder format itself is icrl_core/adapter_format.py, below icrl_core/model.p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,63 +97,83 @@ def extrapolate_adapter(start: Path | str, trained: Path | str, scale: float, ou
     """Write W_start + scale * (W_trained - W_start) as a LoRA adapter folder at `output`, atomically: the step a
     fine-tuning stage took from `start` to `trained` (e.g. the RL stage from the supervised bootstrap it continued),
     taken `scale` times (scale > 1 extrapolates past `trained`, as ExPO does for aligned models; 1 gives `trained`'s
-    weights, 0 `start`'s). Both must be LoRA folders in PEFT's files with the same rank, alpha and target modules.
-    Each delta is (alpha / r) * B @ A, so the result is exact as a LoRA of twice the rank and twice the alpha (same
-    alpha / r): A' = [A_trained; A_start] (2r x in), B' = [scale * B_trained, (1 - scale) * B_start] (out x 2r),
-    and B' @ A' = scale * B_trained @ A_trained + (1 - scale) * B_start @ A_start. Standard files: PEFT loads the
-    folder as it is. The other files (icrl_adapter.json, the value head) are `trained`'s, with the rank and alpha
-    doubled."""
+    weights, 0 `start`'s). It is combine_adapters([trained, start], [scale, 1 - scale]): a LoRA of twice the rank
+    and twice the alpha, A' = [A_trained; A_start], B' = [scale * B_trained, (1 - scale) * B_start]."""
+    import math
+
+    if not (math.isfinite(scale) and scale >= 0):
+        raise UserError(f"extrapolation scale must be a finite number >= 0, got {scale}")
+    return combine_adapters([trained, start], [scale, 1.0 - scale], output, roles=["trained", "start"])
+
+
+def combine_adapters(folders: Sequence[Path | str], weights: Sequence[float], output: Path | str,
+                     roles: Sequence[str] | None = None) -> Path:
+    """Write sum_i weights[i] * W_i as a LoRA adapter folder at `output`, atomically, for LoRA adapters W_i of one
+    base model (model soups: equal weights; task arithmetic: W_a + W_b - W_start = weights 1, 1, -1; ExPO:
+    extrapolate_adapter). The weights must sum to 1 (an affine combination), so the base model's weights count once:
+    sum_i w_i (W_base + D_i) = W_base + sum_i w_i D_i. Each D_i = (alpha / r_i) * B_i @ A_i with one alpha / r for
+    all parts, so the result is exact as one LoRA of rank R = sum_i r_i and alpha R * (alpha / r): A' = [A_1; ...;
+    A_n] (R x in), B' = [w_1 B_1, ..., w_n B_n] (out x R), B' @ A' = sum_i w_i B_i @ A_i. All parts must be LoRA
+    folders in PEFT's files with the same alpha / r, target modules and tensors. Standard files: PEFT loads the
+    folder as it is. The other files (icrl_adapter.json, the value head) are the first part's, with the new rank
+    and alpha. `roles` names the parts in error messages (default: part 1, part 2, ...)."""
     import json
     import math
     import shutil
 
     import torch
 
-    if not (math.isfinite(scale) and scale >= 0):
-        raise UserError(f"extrapolation scale must be a finite number >= 0, got {scale}")
-    folders = {"start": Path(start), "trained": Path(trained)}
-    configs = {}
-    for role, folder in folders.items():
+    folders = [Path(folder) for folder in folders]
+    roles = list(roles) if roles is not None else [f"part {i + 1}" for i in range(len(folders))]
+    if len(folders) < 2 or len(weights) != len(folders):
+        raise UserError(f"combining adapters needs two or more adapters and one weight each, got {len(folders)} "
+                        f"adapter(s) and {len(weights)} weight(s)")
+    if not all(math.isfinite(w) for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
+        raise UserError(f"the weights must be finite and sum to 1 (the base model's weights then count once), got "
+                        f"{', '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})")
+    configs = []
+    for role, folder in zip(roles, folders):
         if read_meta(folder) is None:
             raise UserError(f"{folder}: no saved adapter there (see docs/FORMATS.md)")
         if _peft_lora_meta(folder) is None or not (folder / PEFT_CONFIG).is_file():
-            raise UserError(f"{folder}: extrapolation needs a LoRA adapter in PEFT's files (the {role} adapter "
-                            "is not one; `icrl model convert` rewrites an old one)")
+            raise UserError(f"{folder}: combining needs a LoRA adapter in PEFT's files (the {role} adapter is not "
+                            "one; `icrl model convert` rewrites an old one)")
         config = read_peft_config(folder)
         if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern") \
                 or config.get("use_dora"):
             raise UserError(f"{folder}: rsLoRA, DoRA and per-module ranks or alphas are not supported here")
-        configs[role] = config
-    shape = {role: (c.get("r"), c.get("lora_alpha"), sorted(c.get("target_modules") or []))
-             for role, c in configs.items()}
-    if shape["start"] != shape["trained"]:
-        raise UserError(f"{folders['trained']} (rank, alpha, modules {shape['trained']}) did not continue "
-                        f"{folders['start']} ({shape['start']}): extrapolation needs the same LoRA shape")
-    weights = {role: load_safetensors(folder / PEFT_WEIGHTS) for role, folder in folders.items()}
-    if set(weights["start"]) != set(weights["trained"]):
-        raise UserError(f"{folders['trained']} and {folders['start']} hold different LoRA tensors")
+        configs.append(config)
+    shapes = [(c.get("lora_alpha") / c.get("r"), sorted(c.get("target_modules") or [])) for c in configs]
+    for role, folder, shape in zip(roles[1:], folders[1:], shapes[1:]):
+        if shape != shapes[0]:
+            raise UserError(f"{folder} (alpha / r, modules {shape}) and {folders[0]} ({shapes[0]}) are not LoRAs of "
+                            f"one shape: the {role} adapter did not continue or parallel the {roles[0]} adapter")
+    tensors = [load_safetensors(folder / PEFT_WEIGHTS) for folder in folders]
+    for folder, part in zip(folders[1:], tensors[1:]):
+        if set(part) != set(tensors[0]):
+            raise UserError(f"{folder} and {folders[0]} hold different LoRA tensors")
     stacked = {}
-    for name, trained_tensor in weights["trained"].items():
-        start_tensor = weights["start"][name]
-        if "lora_A" in name:  # (r, in): rows stacked
-            stacked[name] = torch.cat([trained_tensor, start_tensor], dim=0).contiguous()
-        elif "lora_B" in name:  # (out, r): columns stacked, each side scaled
-            stacked[name] = torch.cat([scale * trained_tensor, (1.0 - scale) * start_tensor], dim=1).contiguous()
+    for name in tensors[0]:
+        if "lora_A" in name:  # (r_i, in): rows stacked
+            stacked[name] = torch.cat([part[name] for part in tensors], dim=0).contiguous()
+        elif "lora_B" in name:  # (out, r_i): columns stacked, each scaled by its weight
+            stacked[name] = torch.cat([w * part[name] for w, part in zip(weights, tensors)], dim=1).contiguous()
         else:
-            raise UserError(f"{folders['trained'] / PEFT_WEIGHTS}: unexpected tensor {name} in a LoRA adapter")
-    rank, alpha = 2 * configs["trained"]["r"], 2 * configs["trained"]["lora_alpha"]
-    trained_folder = folders["trained"]
+            raise UserError(f"{folders[0] / PEFT_WEIGHTS}: unexpected tensor {name} in a LoRA adapter")
+    rank = sum(c["r"] for c in configs)
+    alpha = rank * shapes[0][0]
+    alpha = int(alpha) if float(alpha).is_integer() else alpha
+    first = folders[0]
     with atomic_dir(output) as tmp:
-        for path in trained_folder.iterdir():
+        for path in first.iterdir():
             if path.is_file() and path.name not in (PEFT_WEIGHTS, PEFT_CONFIG, META):
                 shutil.copy2(path, tmp / path.name)
-        (tmp / PEFT_CONFIG).write_text(json.dumps({**configs["trained"], "r": rank, "lora_alpha": alpha},
-                                                  indent=2) + "\n")
-        if (trained_folder / META).is_file():  # format 2: its description, with the new shape
-            meta = read_meta(trained_folder)
+        (tmp / PEFT_CONFIG).write_text(json.dumps({**configs[0], "r": rank, "lora_alpha": alpha}, indent=2) + "\n")
+        if (first / META).is_file():  # format 2: its description, with the new shape
+            meta = read_meta(first)
             meta["adapter"] = {**meta["adapter"], "rank": rank, "alpha": alpha}
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        save_file(stacked, str(tmp / PEFT_WEIGHTS), metadata=_weights_metadata(trained_folder))
+        save_file(stacked, str(tmp / PEFT_WEIGHTS), metadata=_weights_metadata(first))
     return Path(output)
 
 

@@ -302,6 +302,25 @@ def model_extrapolate(
     console().print(f"{output}: {start} + {scale:g} x ({trained} - {start})")
 
 
+@model_app.command("combine")
+def model_combine(
+    adapters: Annotated[list[Path], typer.Argument(help="Two or more LoRA adapter folders of one base model, in PEFT's "
+                                                   "files, with one alpha / r.", show_default=False, **INPUT_FOLDER)],
+    weight: Annotated[list[float], typer.Option(help="One weight per adapter, in their order, summing to 1 (equal "
+                                                "weights: a model soup; 1, 1, -1: task arithmetic, A + B - start).",
+                                                show_default=False)],
+    output: Annotated[Path, typer.Option(help="Folder for the combined adapter, a PEFT LoRA whose rank is the sum of "
+                                         "theirs (written atomically).", show_default=False, **OUTPUT_FOLDER)],
+) -> None:
+    """Combine LoRA adapters into one: sum of weight x adapter, exact (soups, task arithmetic)."""
+    from icrl_core.adapter_format import require_adapter
+    from icrl_core.adapter_tools import combine_adapters
+
+    combine_adapters([require_adapter(folder, f"adapter {i + 1}") for i, folder in enumerate(adapters)], weight,
+                     output)
+    console().print(f"{output}: " + " + ".join(f"{w:g} x {folder}" for w, folder in zip(weight, adapters)))
+
+
 @model_app.command("convert")
 def model_convert(
     adapter: Annotated[Path, typer.Argument(help="Adapter folder in the old layout (adapter.safetensors + "

@@ -169,6 +169,8 @@ def test_free_text_values_a_command_checks(tmp_path, monkeypatch):
         ("inspect", "empty"): "is it an icrl eval run folder?",
         ("model", "interpolate", "empty", "--scale", "0.5", "--output", "out"): "not a trained adapter folder",
         ("model", "extrapolate", "empty", "empty", "--scale", "2", "--output", "out"): "start empty: no saved adapter",
+        ("model", "combine", "empty", "empty", "--weight", "0.5", "--weight", "0.5", "--output", "out"):
+            "adapter 1 empty: no saved adapter",
         ("tasks", "./empty"): "label list not found",
         ("pipeline", "--stage", "bogus"): "unknown stage 'bogus'",
     }

@@ -192,6 +192,53 @@ def test_an_extrapolated_adapter_takes_the_step_from_start_to_trained_scale_time
     assert not (tmp_path / "never").exists()
 
 
+def test_combined_adapters_hold_the_weighted_sum_of_their_deltas(tmp_path):
+    """combine_adapters: sum_i w_i W_i (weights summing to 1) exact as one LoRA of rank sum r_i with the same
+    alpha / r: a soup of two adapters that continued one start (equal weights) and task arithmetic (A + B - start)
+    match the hand-computed merged deltas; ranks may differ; weights not summing to 1, a part of another alpha / r
+    and a single adapter are refused and write nothing."""
+    from icrl_core.adapter_tools import combine_adapters
+
+    policy = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8))
+    _perturb_trainable(policy, seed=1)
+    policy.save_adapter(tmp_path / "start")
+    start = _lora_deltas(policy)
+    deltas = {}
+    for seed, name in ((2, "a"), (3, "b")):  # two stages that each continued the start adapter
+        branch = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=8), init_adapter=tmp_path / "start")
+        _perturb_trainable(branch, seed=seed)
+        branch.save_adapter(tmp_path / name)
+        deltas[name] = _lora_deltas(branch)
+    wide = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=8, alpha=16))  # another rank, the same alpha / r
+    _perturb_trainable(wide, seed=4)
+    wide.save_adapter(tmp_path / "wide")
+    deltas["wide"] = _lora_deltas(wide)
+
+    cases = {"soup": (["a", "b"], [0.5, 0.5]), "arithmetic": (["a", "b", "start"], [1.0, 1.0, -1.0]),
+             "ranks": (["a", "wide"], [0.25, 0.75])}
+    deltas["start"] = start
+    for case, (parts, weights) in cases.items():
+        combine_adapters([tmp_path / p for p in parts], weights, tmp_path / case)
+        rank = json.loads((tmp_path / case / "adapter_config.json").read_text())["r"]
+        assert rank == sum(8 if p == "wide" else 4 for p in parts)
+        assert saved_adapter(tmp_path / case) == LoraAdapter(rank=rank, alpha=2 * rank)
+        got = _lora_deltas(load_policy("tiny", seed=0, adapter=LoraAdapter(rank=rank, alpha=2 * rank),
+                                       init_adapter=tmp_path / case))
+        for name in start:
+            want = sum(w * deltas[p][name] for p, w in zip(parts, weights))
+            assert torch.allclose(got[name], want, atol=1e-6), (case, name)
+
+    other = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=4))
+    other.save_adapter(tmp_path / "other_scale")
+    for folders, weights, message in (((["a", "b"]), [0.5, 0.6], "sum to 1"),
+                                      (["a", "b"], [0.5, float("nan")], "sum to 1"),
+                                      (["a", "other_scale"], [0.5, 0.5], "not LoRAs of one shape"),
+                                      (["a"], [1.0], "two or more adapters")):
+        with pytest.raises(UserError, match=message):
+            combine_adapters([tmp_path / f for f in folders], weights, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
 def test_value_head_save_load_round_trip(tmp_path):
     head = ValueHead(16)
     hidden = torch.randn(2, 5, 16)

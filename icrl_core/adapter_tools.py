@@ -161,8 +161,7 @@ def combine_adapters(folders: Sequence[Path | str], weights: Sequence[float], ou
         else:
             raise UserError(f"{folders[0] / PEFT_WEIGHTS}: unexpected tensor {name} in a LoRA adapter")
     rank = sum(c["r"] for c in configs)
-    alpha = rank * shapes[0][0]
-    alpha = int(alpha) if float(alpha).is_integer() else alpha
+    alpha = sum(c["lora_alpha"] for c in configs)  # = rank * (alpha / r), since every part has that alpha / r
     first = folders[0]
     with atomic_dir(output) as tmp:
         for path in first.iterdir():

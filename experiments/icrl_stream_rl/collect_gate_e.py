@@ -17,6 +17,8 @@ of that setting's rule.
         --folder artifacts/gate_explorative_s23_seed8
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 24 --folder artifacts/gate_explorative_s24 \
         --folder artifacts/gate_explorative_s24_seed8
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 25 --folder artifacts/gate_explorative_s25 \
+        --folder artifacts/gate_explorative_s25_seed8
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 16 --folder artifacts/gate_explorative_s16_seed8
 
 A run at a seed that is not its setting's development seed is stored as SETTING@SEED; one outside the setting's
@@ -42,6 +44,7 @@ Rules (each fixed before its runs):
 - setting 22 (addendum 38, gate E22, `gate_explorative_s22.yaml`): gate E21's rule, seeds 7 and 8.
 - setting 23 (addendum 40, gate E23, `gate_explorative_s23.yaml`): gate E21's rule, seeds 7 and 8.
 - setting 24 (addendum 41, gate E24, `gate_explorative_s24.yaml`): gate E21's rule, seeds 7 and 8.
+- setting 25 (addendum 42, gate E25, `gate_explorative_s25.yaml`): gate E21's rule, seeds 7 and 8.
 """
 
 from __future__ import annotations
@@ -59,12 +62,13 @@ from collect_gate2 import final, seed_row
 # setting -> (least training-stream reward gain, least test-accuracy gain at the last test step); None: not a term
 RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None, 0.10), "19": (None, 0.10),
          "20": (None, 0.10), "21": (None, 0.075), "22": (None, 0.075),
-         "23": (None, 0.075), "24": (None, 0.075)}
+         "23": (None, 0.075), "24": (None, 0.075),
+         "25": (None, 0.075)}
 # setting -> the strategy its development gate measures (explorative unless named)
 STRATEGY = {"18": "naive"}
 # setting -> its development seeds (7 unless named); with more than one, RULES' test gain is a bound on their mean
 # and every seed's gain must be positive
-SEEDS = {"21": (7, 8), "22": (7, 8), "23": (7, 8), "24": (7, 8)}
+SEEDS = {"21": (7, 8), "22": (7, 8), "23": (7, 8), "24": (7, 8), "25": (7, 8)}
 
 
 def gate_strategy(setting: str) -> str:

@@ -40,6 +40,10 @@
 #                 extrapolate`, scale 0.5, from the two kept adapters) into artifacts/souped_streams/adapter, then
 #                 gate E24 at seeds 7 and 8 (explorative, 1000 steps) and its probe
 #   s24-gate2-SEED-STRATEGY, s24-forgetting  as for s15, for setting 24 (only if gate E24 passes)
+#   s25           setting 25 (addendum 42): no training; the bootstrap plus settings 16's and 21's steps (`icrl model
+#                 combine`, weights 1, 1, -1) into artifacts/summed_streams/adapter, then gate E25 at seeds 7 and 8
+#                 (explorative, 1000 steps) and its probe
+#   s25-gate2-SEED-STRATEGY, s25-forgetting  as for s15, for setting 25 (only if gate E25 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -207,7 +211,7 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
-                         [24]=souped_streams)
+                         [24]=souped_streams [25]=summed_streams)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -218,23 +222,37 @@ setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OU
     return 1
 }
 
-# Adapters derived from two kept adapters by `icrl model extrapolate START TRAINED --scale S` (deterministic: nothing
-# of them is kept in the repository): output dir -> "START_KEPT TRAINED_KEPT SCALE".
-declare -A DERIVED=([extrapolated_streams]="bootstrap_h32 burn_in_streams 2"   # setting 23 (addendum 40)
-                    [souped_streams]="many_label_streams burn_in_streams 0.5")  # setting 24 (addendum 41)
+# Adapters derived from kept adapters without training (deterministic: nothing of them is kept in the repository):
+# output dir -> "extrapolate START_KEPT TRAINED_KEPT SCALE" (`icrl model extrapolate`) or "combine KEPT:WEIGHT ..."
+# (`icrl model combine`).
+declare -A DERIVED=([extrapolated_streams]="extrapolate bootstrap_h32 burn_in_streams 2"   # setting 23 (addendum 40)
+                    [souped_streams]="extrapolate many_label_streams burn_in_streams 0.5"  # setting 24 (addendum 41)
+                    [summed_streams]="combine burn_in_streams:1 many_label_streams:1 bootstrap_h32:-1")  # 25 (42)
 
 kept_folder() {  # kept_folder KEPT: where run.sh restores adapters/KEPT
     if [[ $1 == bootstrap_h32 ]]; then echo artifacts/bootstrap/adapter; else echo "artifacts/$1/adapter"; fi
 }
 
-derived() {  # derived OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter built from DERIVED's two kept adapters
+derived() {  # derived OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter built from the kept adapters DERIVED names
     [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] && return 0
-    local start trained scale
-    read -r start trained scale <<< "${DERIVED[$1]}"
-    restore_kept "$start" "$(kept_folder "$start")" || return 1
-    restore_kept "$trained" "$(kept_folder "$trained")" || return 1
-    step "$1: extrapolate" "$ICRL" model extrapolate "$(kept_folder "$start")" "$(kept_folder "$trained")" \
-        --scale "$scale" --output "artifacts/$1/adapter"
+    local how=${DERIVED[$1]%% *} part kept args=()
+    if [[ $how == extrapolate ]]; then
+        local start trained scale
+        read -r how start trained scale <<< "${DERIVED[$1]}"
+        restore_kept "$start" "$(kept_folder "$start")" || return 1
+        restore_kept "$trained" "$(kept_folder "$trained")" || return 1
+        step "$1: extrapolate" "$ICRL" model extrapolate "$(kept_folder "$start")" "$(kept_folder "$trained")" \
+            --scale "$scale" --output "artifacts/$1/adapter"
+        return
+    fi
+    local weights=()
+    for part in ${DERIVED[$1]#combine }; do
+        kept=${part%%:*}
+        restore_kept "$kept" "$(kept_folder "$kept")" || return 1
+        args+=("$(kept_folder "$kept")")
+        weights+=(--weight "${part#*:}")
+    done
+    step "$1: combine" "$ICRL" model combine "${args[@]}" "${weights[@]}" --output "artifacts/$1/adapter"
 }
 
 setting_adapter() {  # setting_adapter OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter, restored from its kept copy or, for
@@ -353,7 +371,7 @@ for target in "$@"; do
                 -c $E/wide_group_streams.yaml
             gate_two_seeds 22
             probe artifacts/wide_group_streams/adapter runs/s22/probe.json ;;
-        s23|s24)
+        s23|s24|s25)
             output=${SETTING_OUTPUT[${target:1:2}]}
             derived "$output" || exit 1
             gate_two_seeds "${target:1:2}"
@@ -404,7 +422,7 @@ for target in "$@"; do
                  "s18, s18-gate2-SEED-STRATEGY, s18-forgetting, s19, s19-gate2-SEED-STRATEGY, s19-forgetting," \
                  "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
-                 "s24, s24-gate2-SEED-STRATEGY, s24-forgetting," \
+                 "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -346,3 +346,19 @@ def test_setting_24_averages_settings_16s_and_21s_kept_adapters_then_runs_its_tw
     assert seed8.endswith("--set icrl_eval.seed=8 --set evaluate.output_dir=artifacts/gate_explorative_s24_seed8")
     assert probe.startswith("probe-feedback ") and "artifacts/souped_streams/adapter" in probe
     assert "runs/s24/probe.json" in probe
+
+
+def test_setting_25_adds_settings_16s_and_21s_steps_to_the_bootstrap_then_runs_its_two_seed_gate(project):
+    for kept in ("burn_in_streams", "many_label_streams", "bootstrap_h32"):
+        _kept(project, kept)
+    _run(project, "s25")
+    combine, seed7, seed8, probe = _calls(project)
+    assert combine == ("model combine artifacts/burn_in_streams/adapter artifacts/many_label_streams/adapter "
+                       "artifacts/bootstrap/adapter --weight 1 --weight 1 --weight -1 "
+                       "--output artifacts/summed_streams/adapter")
+    assert seed7.endswith(
+        "gate_explorative_s25.yaml --set icrl_eval.seed=7 --set evaluate.output_dir=artifacts/gate_explorative_s25")
+    assert seed8.endswith("--set icrl_eval.seed=8 --set evaluate.output_dir=artifacts/gate_explorative_s25_seed8")
+    assert "artifacts/summed_streams/adapter" in probe and "runs/s25/probe.json" in probe
+    _run(project, "s25-gate2-101-explorative")
+    assert _calls(project)[-1].endswith("evaluate.output_dir=artifacts/gate2_s25/seed101-explorative")

@@ -730,8 +730,11 @@ def stream_rl_gate_e() -> str:
             test = trained["test_accuracy"][max(trained["test_accuracy"], key=int)]
             test -= start["test_accuracy"][max(start["test_accuracy"], key=int)]
             gains = f"{_signed(test)} (stream reward {_signed(trained['train_accuracy'] - start['train_accuracy'])})"
-        verdict = (f"{rule}: **{d['verdict']}**" + (f" (mean {_signed(d['test_gain'])})" if "test_gains" in d else "")
-                   if not d["verdict"].startswith("reported") else d["verdict"])
+        if "not_run" in d:  # decided by a seed that is not positive before the others ran
+            detail = f" (seed {', '.join(map(str, d['not_run']))} not run yet)"
+        else:
+            detail = f" (mean {_signed(d['test_gain'])})" if "test_gains" in d else ""
+        verdict = f"{rule}: **{d['verdict']}**{detail}" if not d["verdict"].startswith("reported") else d["verdict"]
         rows.append([setting.split("@")[0], str(gate["seed"]), strategy, *curves, reward, gains, verdict])
     if not rows:
         return "No gate-E run is collected yet.\n"

@@ -108,14 +108,21 @@ def entry_key(setting: str, seed: int) -> str:
 
 def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
     """A rule over several development seeds (SEEDS): each seed's test gain positive, their mean at least RULES'
-    bound; 'pending' until every seed's runs are in."""
+    bound; 'pending' until every seed's runs are in, unless a seed already in has a gain that is not positive (the
+    rule has failed whatever the others give: 'failed', with the seeds still out listed as `not_run`)."""
     _, min_mean_gain = RULES[setting]
-    test_gains = {}
+    test_gains, missing = {}, []
     for seed in gate_seeds(setting):
         measured = gains(runs_by_seed.get(seed, {}), gate_strategy(setting))
         if measured is None:
-            return {"verdict": "pending", "rule": rule_text(setting)}
-        test_gains[str(seed)] = measured[1]
+            missing.append(seed)
+        else:
+            test_gains[str(seed)] = measured[1]
+    if missing:
+        if any(g <= 0 for g in test_gains.values()):
+            return {"test_gains": test_gains, "not_run": missing, "min_test_gain": min_mean_gain,
+                    "rule": rule_text(setting), "verdict": "failed"}
+        return {"verdict": "pending", "rule": rule_text(setting)}
     mean = round(sum(test_gains.values()) / len(test_gains), 4)
     passed = mean >= min_mean_gain - 1e-9 and all(g > 0 for g in test_gains.values())
     return {"test_gains": test_gains, "test_gain": mean, "min_test_gain": min_mean_gain, "rule": rule_text(setting),

@@ -96,6 +96,8 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert two(0.15, 0.0)["verdict"] == "failed"  # the mean is there, seed 8's gain is not positive
     assert two(0.08, 0.065)["verdict"] == "failed"  # both positive, mean 0.0725
     assert gate_e.seeds_decision({7: runs(0.0, 0.3)}, "21")["verdict"] == "pending"
+    early = gate_e.seeds_decision({7: runs(0.0, -0.04)}, "24")  # a seed not positive decides before the other
+    assert early["verdict"] == "failed" and early["not_run"] == [8] and early["test_gains"] == {"7": -0.04}
     assert gate_e.entry_key("21", 7) == "21" and gate_e.entry_key("21", 8) == "21@8"
     assert gate_e.entry_key("16", 8) == "16@8"  # setting 16's adapter beside gate E21: reported, no rule
     # setting 22's gate E22 (addendum 38): gate E21's rule

@@ -131,10 +131,12 @@ def combine_adapters(folders: Sequence[Path | str], weights: Sequence[float], ou
     if not all(math.isfinite(w) for w in weights) or abs(sum(weights) - 1.0) > 1e-6:
         raise UserError(f"the weights must be finite and sum to 1 (the base model's weights then count once), got "
                         f"{', '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})")
-    configs = []
+    configs, specs = [], []
     for role, folder in zip(roles, folders):
-        if read_meta(folder) is None:
+        meta = read_meta(folder)
+        if meta is None:
             raise UserError(f"{folder}: no saved adapter there (see docs/FORMATS.md)")
+        specs.append(meta.get("spec"))
         if _peft_lora_meta(folder) is None or not (folder / PEFT_CONFIG).is_file():
             raise UserError(f"{folder}: combining needs a LoRA adapter in PEFT's files (the {role} adapter is not "
                             "one; `icrl model convert` rewrites an old one)")
@@ -143,6 +145,10 @@ def combine_adapters(folders: Sequence[Path | str], weights: Sequence[float], ou
                 or config.get("use_dora"):
             raise UserError(f"{folder}: rsLoRA, DoRA and per-module ranks or alphas are not supported here")
         configs.append(config)
+    for role, folder, spec in zip(roles[1:], folders[1:], specs[1:]):
+        if spec != specs[0]:  # deltas of different base models do not add
+            raise UserError(f"{folder} was trained on {spec!r}, {folders[0]} on {specs[0]!r}: the {role} adapter "
+                            "must share the base model")
     shapes = [(c.get("lora_alpha") / c.get("r"), sorted(c.get("target_modules") or [])) for c in configs]
     for role, folder, shape in zip(roles[1:], folders[1:], shapes[1:]):
         if shape != shapes[0]:

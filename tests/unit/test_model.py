@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -230,9 +231,13 @@ def test_combined_adapters_hold_the_weighted_sum_of_their_deltas(tmp_path):
 
     other = load_policy("tiny", seed=0, adapter=LoraAdapter(rank=4, alpha=4))
     other.save_adapter(tmp_path / "other_scale")
+    shutil.copytree(tmp_path / "b", tmp_path / "other_base")  # the same tensors, said to be of another model
+    meta = json.loads((tmp_path / "other_base" / "icrl_adapter.json").read_text())
+    (tmp_path / "other_base" / "icrl_adapter.json").write_text(json.dumps({**meta, "spec": "smollm2-135m"}))
     for folders, weights, message in (((["a", "b"]), [0.5, 0.6], "sum to 1"),
                                       (["a", "b"], [0.5, float("nan")], "sum to 1"),
                                       (["a", "other_scale"], [0.5, 0.5], "not LoRAs of one shape"),
+                                      (["a", "other_base"], [0.5, 0.5], "must share the base model"),
                                       (["a"], [1.0], "two or more adapters")):
         with pytest.raises(UserError, match=message):
             combine_adapters([tmp_path / f for f in folders], weights, tmp_path / "never")

@@ -235,24 +235,18 @@ kept_folder() {  # kept_folder KEPT: where run.sh restores adapters/KEPT
 
 derived() {  # derived OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter built from the kept adapters DERIVED names
     [[ -f artifacts/$1/adapter/adapter_model.safetensors ]] && return 0
-    local how=${DERIVED[$1]%% *} part kept args=()
-    if [[ $how == extrapolate ]]; then
-        local start trained scale
-        read -r how start trained scale <<< "${DERIVED[$1]}"
-        restore_kept "$start" "$(kept_folder "$start")" || return 1
-        restore_kept "$trained" "$(kept_folder "$trained")" || return 1
-        step "$1: extrapolate" "$ICRL" model extrapolate "$(kept_folder "$start")" "$(kept_folder "$trained")" \
-            --scale "$scale" --output "artifacts/$1/adapter"
-        return
+    local words part kept=() args=()
+    read -ra words <<< "${DERIVED[$1]}"
+    if [[ ${words[0]} == extrapolate ]]; then  # START TRAINED SCALE
+        kept=("${words[1]}" "${words[2]}")
+        args=("$(kept_folder "${words[1]}")" "$(kept_folder "${words[2]}")" --scale "${words[3]}")
+    else  # KEPT:WEIGHT ...
+        for part in "${words[@]:1}"; do kept+=("${part%%:*}"); done
+        for part in "${kept[@]}"; do args+=("$(kept_folder "$part")"); done
+        for part in "${words[@]:1}"; do args+=(--weight "${part#*:}"); done
     fi
-    local weights=()
-    for part in ${DERIVED[$1]#combine }; do
-        kept=${part%%:*}
-        restore_kept "$kept" "$(kept_folder "$kept")" || return 1
-        args+=("$(kept_folder "$kept")")
-        weights+=(--weight "${part#*:}")
-    done
-    step "$1: combine" "$ICRL" model combine "${args[@]}" "${weights[@]}" --output "artifacts/$1/adapter"
+    for part in "${kept[@]}"; do restore_kept "$part" "$(kept_folder "$part")" || return 1; done
+    step "$1: ${words[0]}" "$ICRL" model "${words[0]}" "${args[@]}" --output "artifacts/$1/adapter"
 }
 
 setting_adapter() {  # setting_adapter OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter, restored from its kept copy or, for

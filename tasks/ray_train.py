@@ -51,8 +51,45 @@ def code_runtime_env() -> dict:
     return {"py_modules": folders, "excludes": list(SHIP_EXCLUDES)}
 
 
+def setup_ray_worker() -> None:
+    """Ray `worker_process_setup_hook` of every job (ensure_ray): runs in each worker process when it starts."""
+    bind_rendezvous_to_master_addr()
+    quiet_coordinator_start_up()
+
+
+# Ray Train's controller registers the job's resources with an autoscaling-coordinator actor it creates at the first
+# request, and waits 5 s for the answer; on a loaded 2-core machine the actor takes longer to start, and Ray logs
+# the timeout as a warning with a traceback that it calls "safe to ignore" when transient.
+COORDINATOR_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+
+
+class FirstCoordinatorTimeout(logging.Filter):
+    """Drops the first 'Failed to send resource request' warning of a process when its error is Ray's
+    GetTimeoutError (the coordinator still starting); every later one, and any other error, is logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.dropped or not record.getMessage().startswith("Failed to send resource request"):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ != "GetTimeoutError":
+            return True
+        self.dropped = True
+        return False
+
+
+def quiet_coordinator_start_up() -> None:
+    """Install FirstCoordinatorTimeout on the coordinator client's logger (once per process)."""
+    logger = logging.getLogger(COORDINATOR_LOGGER)
+    if not any(isinstance(f, FirstCoordinatorTimeout) for f in logger.filters):
+        logger.addFilter(FirstCoordinatorTimeout())
+
+
 def bind_rendezvous_to_master_addr() -> None:
-    """Ray `worker_process_setup_hook` of every job: torch.distributed's rendezvous store (a TCPStore on rank 0,
+    """Part of every Ray worker's setup (setup_ray_worker): torch.distributed's rendezvous store (a TCPStore on rank 0,
     created when Ray Train sets up the process group) listens on every interface ('::') whatever address the
     workers are given. Make rank 0's store listen only on that address (MASTER_ADDR: 127.0.0.1 on a local Ray,
     the node's address on a cluster) by handing TCPStore a socket bound there (its `master_listen_fd`)."""
@@ -118,7 +155,7 @@ def ensure_ray(cfg: RayConfig) -> None:
         return
     env_vars = {k: os.environ.get(k, v) for k, v in ENV_DEFAULTS.items()}
     runtime_env = {"env_vars": env_vars, **(code_runtime_env() if ships_code(cfg) else {}),
-                   "worker_process_setup_hook": "tasks.ray_train.bind_rendezvous_to_master_addr"}
+                   "worker_process_setup_hook": "tasks.ray_train.setup_ray_worker"}
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=runtime_env, logging_level=logging.WARNING)
         return

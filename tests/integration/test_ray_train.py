@@ -38,7 +38,7 @@ def test_a_killed_worker_is_replaced_and_two_workers_still_match_one(ray_session
     """Two data-parallel workers (half the batch each, gradients averaged) end where one worker on the full batch
     ends, even when one of them is killed mid-run and its replacement resumes from the last checkpoint. While they
     train, rank 0 listens on 127.0.0.1 only: torch.distributed's rendezvous store binds every interface unless
-    told otherwise (tasks.ray_train.bind_rendezvous_to_master_addr)."""
+    told otherwise (tasks.ray_train.bind_rendezvous_to_master_addr, run by the job's setup hook)."""
     monkeypatch.setenv("ICRL_TOY_STEP_SECONDS", "0.4")
     config = _config(2, steps=12)
     uninterrupted = launch(load_config(None, ["bootstrap.max_steps=12", "bootstrap.save_steps=5"], environ={}),

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from ray.exceptions import GetTimeoutError
 
 from tasks.ray_train import COORDINATOR_LOGGER, FirstCoordinatorTimeout, quiet_coordinator_start_up
+
+pytestmark = pytest.mark.integration  # Ray's own exception type (unit tests import no Ray: test_layout.py)
 
 
 def _record(message: str, error: BaseException | None) -> logging.LogRecord:

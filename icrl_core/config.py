@@ -440,6 +440,12 @@ class StreamConfig(Section):
                                   "per group and iteration; a group still uniform after them is kept (0: off). "
                                   "For the group objectives; validation groups are never redrawn. Synchronous "
                                   "rollouts of the ppo stage only.")] = 0
+    discovery_bonus: Annotated[float, Field(ge=0, le=10, description="b in r' = r + b * n: added to the reward "
+                                   "of a trained step answered right with a label that no rewarded episode of "
+                                   "the context it saw holds (n = 1: a discovery the context could not have "
+                                   "suggested; icrl_core/objectives.py `discovery_rewards`), so the streams "
+                                   "credit finding the labels a context lacks. 0: the plain reward (the "
+                                   "default); `novel_rate` is logged either way. ppo stage only.")] = 0.0
     context: StreamContext = Field(default_factory=NaiveStreamContext, description="Which past steps a step "
                                    "sees (the evaluation strategy the streams train under): naive (all, the "
                                    "default) or explorative (rewarded ones, each kept with probability p_keep).")
@@ -694,6 +700,10 @@ class DPOConfig(OptimFields):
             raise ValueError("dpo.stream.test_reward: the mined streams' pairs come from their steps' rewards; the "
                              "test reward is a ppo-stage option (ppo.stream.test_reward), set "
                              "dpo.stream.test_reward.queries=0")
+        if self.stream.discovery_bonus:
+            raise ValueError("dpo.stream.discovery_bonus: the mined streams' pairs come from their steps' rewards; "
+                             "the discovery bonus is a ppo-stage option (ppo.stream.discovery_bonus), set "
+                             "dpo.stream.discovery_bonus=0")
         return self
 
 

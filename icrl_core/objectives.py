@@ -133,6 +133,15 @@ def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor, values: torch.Te
     return (rewards + terminal * maskf) * maskf
 
 
+def discovery_rewards(rewards: torch.Tensor, novel: torch.Tensor, mask: torch.Tensor, bonus: float) -> torch.Tensor:
+    """r'_{b,t} = r_{b,t} + bonus * n_{b,t}, where n_{b,t} = 1 when step t of stream b was answered right with a
+    label that no rewarded episode of the context it saw holds (a discovery: StreamConfig.discovery_bonus), so a
+    right answer the context could not have suggested pays more than one it could. rewards, novel, mask (B, T) ->
+    (B, T), 0 where mask is False; novel is 0 wherever the reward is 0."""
+    maskf = mask.to(rewards.dtype)
+    return (rewards + bonus * novel.to(rewards.dtype)) * maskf
+
+
 def _group_columns(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mask as float, count n_t of valid streams per step, sum over streams) of a group's (G, T) returns."""
     maskf = mask.to(returns.dtype)

@@ -33,6 +33,7 @@ from icrl_core.distributed import mean_metrics, shard
 from icrl_core.objectives import (
     aipo_loss,
     discounted_returns,
+    discovery_rewards,
     distillation_rewards,
     dr_grpo_loss,
     grpo_advantages,
@@ -382,10 +383,20 @@ def redraw_uniform_groups(policy, sources, data: DataConfig, cfg: PPOConfig, see
     return kept, redrawn
 
 
+def novel_steps(streams: Sequence[Stream], batch: StreamBatch) -> torch.Tensor:
+    """(B, T) 1.0 where a stream's step was a discovery (StreamStep.novel), aligned with batch.rewards."""
+    novel = torch.zeros_like(batch.rewards)
+    for b, stream in enumerate(streams):
+        for t, step in enumerate(stream.steps):
+            novel[b, t] = float(step.novel)
+    return novel
+
+
 def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
     """Mean reward over all steps and over each half of the streams (the second half above the first: the
-    policy learns within a stream), the answers' mean probability, and how often an answer marked wrong is
-    followed by a different label (a policy that copies its last answer whatever the feedback says: 0)."""
+    policy learns within a stream), the answers' mean probability, how often an answer marked wrong is
+    followed by a different label (a policy that copies its last answer whatever the feedback says: 0) and how
+    often a step is a discovery (right, with a label no rewarded episode of its context holds)."""
     rewards = [r for s in streams for r in s.rewards]
     half = len(streams[0].steps) // 2
     first = [r for s in streams for r in s.rewards[:half]]
@@ -400,6 +411,7 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
         "reward_second_half": sum(second) / max(len(second), 1),
         "switch_after_wrong": sum(switches) / len(switches) if switches else float("nan"),
         "answer_prob": sum(probs) / len(probs),
+        "novel_rate": sum(step.novel for s in streams for step in s.steps) / len(rewards),
         **({"test_value": sum(tested) / len(tested)} if tested else {}),
     }
 
@@ -415,7 +427,7 @@ def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: in
     return {"val_accuracy": stats["mean_reward"], "val_reward": stats["mean_reward"],
             "val_reward_first_half": stats["reward_first_half"],
             "val_reward_second_half": stats["reward_second_half"],
-            "val_switch_after_wrong": stats["switch_after_wrong"],
+            "val_switch_after_wrong": stats["switch_after_wrong"], "val_novel_rate": stats["novel_rate"],
             **({"val_test_value": stats["test_value"]} if "test_value" in stats else {})}
 
 
@@ -473,6 +485,9 @@ def learn_from_streams(policy, optimizer, scheduler, streams: Sequence[Stream], 
         values = torch.tensor([s.test_value for s in streams], dtype=batch.rewards.dtype)
         batch = dataclasses.replace(batch, rewards=terminal_rewards(batch.rewards, batch.step_mask, values,
                                                                      cfg.stream.test_reward.weight))
+    if cfg.stream.discovery_bonus > 0:
+        batch = dataclasses.replace(batch, rewards=discovery_rewards(batch.rewards, novel_steps(streams, batch),
+                                                                     batch.step_mask, cfg.stream.discovery_bonus))
     if cfg.distill.active:
         batch, distill_metrics = distilled(policy, streams, batch, cfg)
     prepared = prepare_streams(policy, batch, cfg, beta, off_policy=off_policy)

@@ -128,6 +128,8 @@ class StreamStep:
     answer_ids: tuple[int, ...]
     decisions: list[Decision]  # positions index the step's sequence
     sequence: int = 0         # which of the stream's sequences holds the step (naive: all in sequence 0)
+    # answered right with a label no rewarded episode of its context holds (`discovery_rewards`)
+    novel: bool = False
 
     @property
     def reward(self) -> float:
@@ -326,10 +328,11 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             fed, cache = [[] for _ in range(n)], None  # naive: each row prefills the shared context once
         if cache is None and selectors is None and engine is None:
             cache = BatchedCache(policy, len(rows))
-        news, shared = [], []
+        news, shared, shown_labels = [], [], {}
         for g in rows:
             shown = (histories[g] if selectors is None
                      else [histories[g][i] for i in selectors[g].select(histories[g], t)])
+            shown_labels[g] = {episode.prediction for episode in shown if episode.reward}
             context_ids, user_open = render_context(tokens, template, shown, STREAM_VIEW)
             prompt = list(context_ids) + render_query(tokens, template, example.text, user_open)
             shared.append(len(context_ids))
@@ -360,13 +363,14 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             reward = int(label == example.label)
             record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
             histories[g].append(record)
+            novel = bool(reward) and label not in shown_labels[g]
             if selectors is None:
                 if t >= burn_in:
-                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i]))
+                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i], novel=novel))
                 fed[g] = fed[g] + answer[i][:-1]  # the cache holds these; the end of turn comes with the next block
             elif t >= burn_in:
                 steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i],
-                                           sequence=len(sequences[g])))
+                                           sequence=len(sequences[g]), novel=novel))
                 sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]

@@ -226,3 +226,14 @@ def test_distillation_rewards_by_hand():
     assert torch.allclose(out, T([[0.5 - 1.0 + 0.1, 0.0 - 4.0 + 0.025, 0.0]]))
     # the default weights leave the task reward as it is
     assert torch.equal(distillation_rewards(rewards, teacher, student, mask, 1.0, 0.0, 0.0), T([[1.0, 0.0, 0.0]]))
+
+
+def test_discovery_rewards_add_the_bonus_where_a_step_was_a_discovery():
+    from icrl_core.objectives import discovery_rewards
+
+    rewards = T([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    novel = T([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    mask = T([[1, 1, 1], [1, 1, 0]]).bool()
+    # r + 0.5 n: [1.5, 0, 1] and [1, 1.5, (masked) 0]
+    assert torch.equal(discovery_rewards(rewards, novel, mask, 0.5), T([[1.5, 0.0, 1.0], [1.0, 1.5, 0.0]]))
+    assert torch.equal(discovery_rewards(rewards, novel, mask, 0.0), rewards * mask)

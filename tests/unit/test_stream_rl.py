@@ -197,6 +197,43 @@ def test_the_test_reward_pays_each_streams_context_value_at_its_last_step(policy
         DPOConfig(stream={"test_reward": {"queries": 2}})
 
 
+@pytest.mark.parametrize("context", [{"kind": "naive"}, {"kind": "explorative", "p_keep": 1.0}])
+def test_a_discovery_is_a_right_answer_no_rewarded_episode_of_its_context_holds(policy, context):
+    """StreamStep.novel (naive, and explorative keeping every rewarded step: the context holds every rewarded
+    episode before the step, burned-in ones included), and ppo.stream.discovery_bonus pays it: the same draws
+    give a larger mean return with the bonus by exactly bonus x the discoveries' returns."""
+    from icrl_core.stream_rl import roll_out
+
+    cfg = PPOConfig(mode="stream", objective={"kind": "rloo"}, epochs=1, minibatch_size=3, batch_size=6,
+                    stream={"steps": 6, "burn_in": 2, "group_size": 3, "groups": 2, "context": context},
+                    learning_rate=1e-2, kl_beta=0.0, temperature=1.0, gamma=0.0)
+    sources = resolve_sources(DATA, 0)
+    fresh(policy)
+    streams = roll_out(policy, sources, DATA, cfg, 0, 1, range(2), "train", 2048)
+    found = 0
+    for stream in streams:
+        for step in stream.steps:
+            before = {e.prediction for e in stream.history[:step.record.step] if e.reward}
+            assert step.novel == (bool(step.record.reward) and step.record.prediction not in before)
+            found += step.novel
+    assert found > 0
+    metrics = {}
+    for bonus in (0.0, 2.0):
+        fresh(policy)
+        shaped = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"discovery_bonus": bonus})})
+        optimizer, scheduler = make_optimizer(policy, shaped)
+        metrics[bonus] = stream_step(policy, optimizer, scheduler, sources, DATA, shaped, 0.0, 0, 1,
+                                     iteration_generator(0, 1), 2048)
+    steps = sum(len(s.steps) for s in streams)
+    assert metrics[0.0]["novel_rate"] == metrics[2.0]["novel_rate"] == pytest.approx(found / steps)
+    # gamma 0: each step's return is its reward (+ 2 for a discovery)
+    assert metrics[2.0]["return_mean"] == pytest.approx(metrics[0.0]["return_mean"] + 2.0 * found / steps)
+    assert metrics[2.0]["task_accuracy"] == metrics[0.0]["task_accuracy"]
+    fresh(policy)
+    with pytest.raises(ValueError, match="discovery bonus is a ppo-stage option"):
+        DPOConfig(stream={"discovery_bonus": 1.0})
+
+
 def test_stream_statistics_by_hand():
     from icrl_core.icrl_eval import EpisodeRecord
     from icrl_core.stream_rl import stream_statistics
@@ -204,7 +241,8 @@ def test_stream_statistics_by_hand():
 
     def stream(answers: list[tuple[str, str]]) -> Stream:
         steps = [StreamStep(EpisodeRecord(t, "q", gold, said, int(gold == said), int(gold == said)), 0, (1,),
-                            [Decision(0, (1, 2), 0, math.log(0.5))]) for t, (gold, said) in enumerate(answers)]
+                            [Decision(0, (1, 2), 0, math.log(0.5))], novel=gold == said and t < 3)
+                 for t, (gold, said) in enumerate(answers)]
         return Stream(None, 0, [], steps)
 
     # stream a: wrong a->a (no switch), wrong a->b (switch), right; stream b: wrong b->b, wrong b->b (no switch)
@@ -216,6 +254,7 @@ def test_stream_statistics_by_hand():
     # after a wrong answer: a0->a1 same, a1->a2 switch; b0->b1, b1->b2, b2->b3 same -> 1 / 5
     assert stats["switch_after_wrong"] == pytest.approx(1 / 5)
     assert stats["answer_prob"] == pytest.approx(0.5)
+    assert stats["novel_rate"] == 1 / 8  # a's third step: right and flagged (a's fourth and b's fourth: t = 3)
 
 
 def test_draw_offset_shifts_training_draws_not_validation():

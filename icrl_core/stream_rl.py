@@ -396,7 +396,8 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
     """Mean reward over all steps and over each half of the streams (the second half above the first: the
     policy learns within a stream), the answers' mean probability, how often an answer marked wrong is
     followed by a different label (a policy that copies its last answer whatever the feedback says: 0) and how
-    often a step is a discovery (right, with a label no rewarded episode of its context holds)."""
+    often a step is a discovery (right, with a label no rewarded episode of its context holds) or could have been
+    one (its gold label missing from its context's rewarded episodes)."""
     rewards = [r for s in streams for r in s.rewards]
     half = len(streams[0].steps) // 2
     first = [r for s in streams for r in s.rewards[:half]]
@@ -412,6 +413,7 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
         "switch_after_wrong": sum(switches) / len(switches) if switches else float("nan"),
         "answer_prob": sum(probs) / len(probs),
         "novel_rate": sum(step.novel for s in streams for step in s.steps) / len(rewards),
+        "gold_absent_rate": sum(step.gold_absent for s in streams for step in s.steps) / len(rewards),
         **({"test_value": sum(tested) / len(tested)} if tested else {}),
     }
 
@@ -428,6 +430,7 @@ def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: in
             "val_reward_first_half": stats["reward_first_half"],
             "val_reward_second_half": stats["reward_second_half"],
             "val_switch_after_wrong": stats["switch_after_wrong"], "val_novel_rate": stats["novel_rate"],
+            "val_gold_absent_rate": stats["gold_absent_rate"],
             **({"val_test_value": stats["test_value"]} if "test_value" in stats else {})}
 
 

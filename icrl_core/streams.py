@@ -130,6 +130,8 @@ class StreamStep:
     sequence: int = 0         # which of the stream's sequences holds the step (naive: all in sequence 0)
     # answered right with a label no rewarded episode of its context holds (`discovery_rewards`)
     novel: bool = False
+    # the gold label has no rewarded episode in the step's context (a right answer would be a discovery)
+    gold_absent: bool = False
 
     @property
     def reward(self) -> float:
@@ -363,14 +365,16 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             reward = int(label == example.label)
             record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
             histories[g].append(record)
-            novel = bool(reward) and label not in shown_labels[g]
+            absent = example.label not in shown_labels[g]
+            novel = bool(reward) and absent
             if selectors is None:
                 if t >= burn_in:
-                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i], novel=novel))
+                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i], novel=novel,
+                                               gold_absent=absent))
                 fed[g] = fed[g] + answer[i][:-1]  # the cache holds these; the end of turn comes with the next block
             elif t >= burn_in:
                 steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i],
-                                           sequence=len(sequences[g]), novel=novel))
+                                           sequence=len(sequences[g]), novel=novel, gold_absent=absent))
                 sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]

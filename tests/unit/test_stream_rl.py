@@ -215,6 +215,7 @@ def test_a_discovery_is_a_right_answer_no_rewarded_episode_of_its_context_holds(
         for step in stream.steps:
             before = {e.prediction for e in stream.history[:step.record.step] if e.reward}
             assert step.novel == (bool(step.record.reward) and step.record.prediction not in before)
+            assert step.gold_absent == (step.record.gold not in before)
             found += step.novel
     assert found > 0
     metrics = {}
@@ -241,7 +242,8 @@ def test_stream_statistics_by_hand():
 
     def stream(answers: list[tuple[str, str]]) -> Stream:
         steps = [StreamStep(EpisodeRecord(t, "q", gold, said, int(gold == said), int(gold == said)), 0, (1,),
-                            [Decision(0, (1, 2), 0, math.log(0.5))], novel=gold == said and t < 3)
+                            [Decision(0, (1, 2), 0, math.log(0.5))], novel=gold == said and t < 3,
+                            gold_absent=t < 3)
                  for t, (gold, said) in enumerate(answers)]
         return Stream(None, 0, [], steps)
 
@@ -255,6 +257,7 @@ def test_stream_statistics_by_hand():
     assert stats["switch_after_wrong"] == pytest.approx(1 / 5)
     assert stats["answer_prob"] == pytest.approx(0.5)
     assert stats["novel_rate"] == 1 / 8  # a's third step: right and flagged (a's fourth and b's fourth: t = 3)
+    assert stats["gold_absent_rate"] == 6 / 8
 
 
 def test_draw_offset_shifts_training_draws_not_validation():

@@ -20,6 +20,8 @@ of that setting's rule.
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 25 --folder artifacts/gate_explorative_s25 \
         --folder artifacts/gate_explorative_s25_seed8
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 16 --folder artifacts/gate_explorative_s16_seed8
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 26 --folder artifacts/gate_explorative_s26 \
+        --folder artifacts/gate_explorative_s26_seed8
 
 A run at a seed that is not its setting's development seed is stored as SETTING@SEED; one outside the setting's
 rule (setting 16 at seed 8, addendum 36) is reported, not decided.
@@ -45,6 +47,9 @@ Rules (each fixed before its runs):
 - setting 23 (addendum 40, gate E23, `gate_explorative_s23.yaml`): gate E21's rule, seeds 7 and 8.
 - setting 24 (addendum 41, gate E24, `gate_explorative_s24.yaml`): gate E21's rule, seeds 7 and 8.
 - setting 25 (addendum 42, gate E25, `gate_explorative_s25.yaml`): gate E21's rule, seeds 7 and 8.
+- setting 26 (addendum 44, gate E26, `gate_explorative_s26.yaml`, seeds 7 and 8): each seed's gain is the RL
+  adapter's test accuracy minus the bootstrap's averaged over the test steps 499-999 (499, 749, 999); passes if it
+  is positive on both seeds and at least + 0.08 on their mean (setting 16: +0.080 and +0.072, mean +0.076).
 """
 
 from __future__ import annotations
@@ -63,25 +68,38 @@ from collect_gate2 import final, seed_row
 RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None, 0.10), "19": (None, 0.10),
          "20": (None, 0.10), "21": (None, 0.075), "22": (None, 0.075),
          "23": (None, 0.075), "24": (None, 0.075),
-         "25": (None, 0.075)}
+         "25": (None, 0.075), "26": (None, 0.08)}
 # setting -> the strategy its development gate measures (explorative unless named)
 STRATEGY = {"18": "naive"}
 # setting -> its development seeds (7 unless named); with more than one, RULES' test gain is a bound on their mean
 # and every seed's gain must be positive
-SEEDS = {"21": (7, 8), "22": (7, 8), "23": (7, 8), "24": (7, 8), "25": (7, 8)}
+SEEDS = {"21": (7, 8), "22": (7, 8), "23": (7, 8), "24": (7, 8), "25": (7, 8), "26": (7, 8)}
+# setting -> (first, last) test step: its test gain is the mean gain over the test steps first..last both runs
+# measured (the late steps, where one context draw moves the number less), not the last step's alone
+LATE = {"26": (499, 999)}
 
 
 def gate_strategy(setting: str) -> str:
     return STRATEGY.get(setting, "explorative")
 
 
-def gains(runs: dict, strategy: str) -> tuple[float, float] | None:
-    """(training-stream reward gain, test-accuracy gain at the last test step) of the RL adapter over the bootstrap
-    in `strategy`; None until both runs are in."""
+def gains(runs: dict, strategy: str, late: tuple[int, int] | None = None) -> tuple[float, float] | None:
+    """(training-stream reward gain, test-accuracy gain) of the RL adapter over the bootstrap in `strategy`: the
+    gain at the last test step, or with `late` = (first, last) the mean gain over the test steps first..last both
+    runs measured (`late_gain`); None until both runs are in."""
     trained, start = runs.get(f"trained-{strategy}"), runs.get(f"start-{strategy}")
     if trained is None or start is None:
         return None
-    return (round(trained["train_accuracy"] - start["train_accuracy"], 4), round(final(trained) - final(start), 4))
+    test_gain = final(trained) - final(start) if late is None else late_gain(trained, start, *late)
+    return (round(trained["train_accuracy"] - start["train_accuracy"], 4), round(test_gain, 4))
+
+
+def late_gain(trained: dict, start: dict, first: int, last: int) -> float:
+    """mean over the test steps s in [first, last] both runs measured of acc_trained(s) - acc_start(s)."""
+    steps = [s for s in trained["test_accuracy"] if first <= int(s) <= last and s in start["test_accuracy"]]
+    if str(last) not in steps:
+        raise ValueError(f"a run stopped before test step {last}: the late gain needs steps {first}-{last}")
+    return sum(trained["test_accuracy"][s] - start["test_accuracy"][s] for s in steps) / len(steps)
 
 
 def decision(runs: dict, setting: str = "15") -> dict:
@@ -113,7 +131,7 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
     _, min_mean_gain = RULES[setting]
     test_gains, missing = {}, []
     for seed in gate_seeds(setting):
-        measured = gains(runs_by_seed.get(seed, {}), gate_strategy(setting))
+        measured = gains(runs_by_seed.get(seed, {}), gate_strategy(setting), LATE.get(setting))
         if measured is None:
             missing.append(seed)
         else:
@@ -131,7 +149,8 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
 
 def rule_text(setting: str) -> str:
     seeds = ", ".join(str(s) for s in gate_seeds(setting))
-    return f"mean test gain over seeds {seeds} >= +{RULES[setting][1]:.3f}, each > 0"
+    what = "test gain" if setting not in LATE else "test gain over test steps {}-{}".format(*LATE[setting])
+    return f"mean {what} over seeds {seeds} >= +{RULES[setting][1]:.3f}, each > 0"
 
 
 def main() -> None:
@@ -154,7 +173,7 @@ def main() -> None:
     several = seeds_decision({g["seed"]: g["runs"] for g in own.values()}, args.setting) if len(seeds) > 1 else None
     for gate in own.values():
         if gate["seed"] not in seeds:  # beside another setting's gate, not this setting's rule
-            measured = gains(gate["runs"], strategy)
+            measured = gains(gate["runs"], strategy, LATE.get(args.setting))
             gate["decision"] = {"verdict": "reported, not a rule"}
             if measured is not None:
                 gate["decision"]["train_gain"], gate["decision"]["test_gain"] = measured

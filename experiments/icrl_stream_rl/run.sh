@@ -44,6 +44,10 @@
 #                 combine`, weights 1, 1, -1) into artifacts/summed_streams/adapter, then gate E25 at seeds 7 and 8
 #                 (explorative, 1000 steps) and its probe
 #   s25-gate2-SEED-STRATEGY, s25-forgetting  as for s15, for setting 25 (only if gate E25 passes)
+#   s26           setting 26 (addendum 44): setting 16 with a right answer of a label its context lacks paid 1 + 1.0
+#                 (ppo.stream.discovery_bonus) and p_keep 0.25, then gate E26 at seeds 7 and 8 (explorative, 1000
+#                 steps; its rule reads test steps 499-999) and its probe
+#   s26-gate2-SEED-STRATEGY, s26-forgetting  as for s15, for setting 26 (only if gate E26 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -112,7 +116,7 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json
                   [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json
                   [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json
-                  [wide_group_streams]=runs/s22/probe.json)
+                  [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -211,7 +215,7 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
-                         [24]=souped_streams [25]=summed_streams)
+                         [24]=souped_streams [25]=summed_streams [26]=discovery_streams)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -365,6 +369,12 @@ for target in "$@"; do
                 -c $E/wide_group_streams.yaml
             gate_two_seeds 22
             probe artifacts/wide_group_streams/adapter runs/s22/probe.json ;;
+        s26)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained discovery_streams || step s26 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/discovery_streams.yaml
+            gate_two_seeds 26
+            probe artifacts/discovery_streams/adapter runs/s26/probe.json ;;
         s23|s24|s25)
             output=${SETTING_OUTPUT[${target:1:2}]}
             derived "$output" || exit 1
@@ -417,6 +427,7 @@ for target in "$@"; do
                  "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
+                 "s26, s26-gate2-SEED-STRATEGY, s26-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from tests.conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("collect_gate2",
@@ -104,6 +106,25 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: runs(0.0, 0.07), 8: runs(0.0, 0.08)}, "22")["verdict"] == "passed"
     assert gate_e.seeds_decision({7: runs(0.0, 0.07), 8: runs(0.0, 0.055)}, "22")["verdict"] == "failed"
     assert gate_e.entry_key("22", 8) == "22@8"
+    # setting 26's gate E26 (addendum 44): each seed's gain averaged over test steps 499, 749, 999; mean >= 0.08
+
+    def late(gains_by_step: dict) -> dict:
+        steps = {"0": 0.2, "249": 0.3, "499": 0.4, "749": 0.45, "999": 0.45}
+        return {"trained-explorative": {"train_accuracy": 0.3, "test_accuracy": {
+                    k: v + gains_by_step.get(k, 0.0) for k, v in steps.items()}},
+                "start-explorative": {"train_accuracy": 0.3, "test_accuracy": steps}}
+
+    # seed 7: (0.09 + 0.06 + 0.09) / 3 = 0.08; seed 8: (0.12 + 0.06 + 0.06) / 3 = 0.08 -> passes at 0.08
+    seven, eight = late({"249": 0.5, "499": 0.09, "749": 0.06, "999": 0.09}), late({"499": 0.12, "749": 0.06,
+                                                                                      "999": 0.06})
+    d = gate_e.seeds_decision({7: seven, 8: eight}, "26")
+    assert d["verdict"] == "passed" and d["test_gains"] == {"7": 0.08, "8": 0.08}  # step 249 does not count
+    assert "test steps 499-999" in d["rule"]
+    # a large step-999 gain does not carry a small late mean; a negative seed fails whatever the mean
+    assert gate_e.seeds_decision({7: late({"999": 0.2}), 8: eight}, "26")["verdict"] == "failed"  # 0.0667, 0.08
+    assert gate_e.seeds_decision({7: late({"499": 0.5}), 8: late({"999": -0.03})}, "26")["verdict"] == "failed"
+    with pytest.raises(ValueError, match="before test step 999"):
+        gate_e.late_gain({"test_accuracy": {"499": 0.5}}, {"test_accuracy": {"499": 0.4}}, 499, 999)
 
 
 def test_a_seed_run_in_parts_is_one_seed():

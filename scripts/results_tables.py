@@ -746,6 +746,24 @@ def stream_rl_gate_e() -> str:
               "moves by up to 0.1 between adjacent steps of a run, the mean over the late steps less.\n")
 
 
+def stream_rl_label_coverage() -> str:
+    """experiments/icrl_stream_rl/label_coverage.py's records: per model and development seed, the share of test
+    queries whose gold label the test step's context lacks and the accuracy on them and on the rest."""
+    records = _json("experiments/icrl_stream_rl/results.json").get("label_coverage", {})
+    if not records:
+        return "No label-coverage record yet.\n"
+    rows = []
+    for name, record in records.items():
+        for seed, steps in record["runs"].items():
+            rows.append([name, seed, *(" / ".join(_fmt(steps[s][key], 2) for s in sorted(steps, key=int))
+                                       for key in ("absent_share", "accuracy_absent", "accuracy_present"))])
+        pooled = record["pooled"]
+        rows.append([name, "pooled", "", *(f"{pooled[p]['right']} / {pooled[p]['queries']}"
+                                          for p in ("absent", "present"))])
+    return _table(["model", "seed", "share of test queries whose label the context lacks (steps 499 / 749 / 999)",
+                   "accuracy on them", "accuracy on the others"], rows)
+
+
 def _late_mean_gain(trained: dict, start: dict, first: int = 499, last: int = 999) -> str:
     """The RL adapter's test-accuracy gain over the bootstrap averaged over the test steps first..last that both
     runs measured ("-" for a run that stopped before `last`, e.g. setting 15's 500-step gate)."""
@@ -933,6 +951,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "stream-rl-learnability": stream_rl_learnability,
     "stream-rl-gate2": stream_rl_gate2,
     "stream-rl-gate-e": stream_rl_gate_e,
+    "stream-rl-label-coverage": stream_rl_label_coverage,
     "stream-rl-synthetic": stream_rl_synthetic,
     "timings": timings,
     "demo-summary": demo_summary,

@@ -7,7 +7,8 @@ explorative strategy drew them (`steps.jsonl`: the step's `context` indices into
 gold label is absent from that context, the accuracy on those and on the others, and per label the accuracy and
 the context's episodes of it. Reported, not a gate.
 
-    .venv/bin/python experiments/icrl_stream_rl/label_coverage.py RUN [RUN ...] [--from-step 499] [--output F]
+    .venv/bin/python experiments/icrl_stream_rl/label_coverage.py RUN [RUN ...] [--from-step 499] [--output F] \
+        [--record NAME]   # also into results.json under label_coverage/NAME (REPORT.md's generated table)
 
 Gold labels come from the task the run's config names (data.tasks_dir, relative to the working directory).
 """
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (config.json, steps.jsonl, tests.jsonl)")
     parser.add_argument("--from-step", type=int, default=499, help="the first test step reported (default 499)")
     parser.add_argument("--output", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument("--record", metavar="NAME", help="also record the per-step shares and the pooled counts "
+                        "in results.json beside this script, under label_coverage/NAME")
     args = parser.parse_args(argv)
     try:
         rows = {str(run): run_rows(run, args.from_step) for run in args.runs}
@@ -93,7 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         f"label {part}: {s['right']}/{s['queries']}" for part, s in summary.items()))
     if args.output:
         atomic_write_text(args.output, json.dumps({"runs": rows, "pooled": summary}, indent=1) + "\n")
+    if args.record:
+        record(args.record, rows, summary)
     return 0
+
+
+def record(name: str, rows: dict, pooled: dict, results_file: Path | None = None) -> None:
+    """results.json's label_coverage/NAME: per run (by seed) and test step the absent share and the accuracies
+    on each part, and the pooled counts (no per-label detail: that stays in --output)."""
+    results_file = results_file or Path(__file__).resolve().parent / "results.json"
+    results = json.loads(results_file.read_text())
+    keep = ("accuracy", "absent_share", "accuracy_absent", "accuracy_present")
+    results.setdefault("label_coverage", {})[name] = {
+        "runs": {str(row["seed"]): {step: {k: cov[k] for k in keep} for step, cov in row["steps"].items()}
+                 for row in rows.values()},
+        "pooled": pooled}
+    atomic_write_text(results_file, json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -57,3 +57,17 @@ def test_a_run_folder_and_a_bad_one(tmp_path, capsys):
     assert step["absent"] == gold.count("no") and step["right_present"] == gold.count("yes")
     assert label_coverage.main([str(tmp_path / "missing")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_record_keeps_the_shares_by_seed_and_the_pooled_counts(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"gate_e": {"16": {}}}))
+    cov = {"accuracy": 0.5, "absent_share": 0.25, "accuracy_absent": 0.0, "accuracy_present": 2 / 3,
+           "right_absent": 0, "absent": 1, "right_present": 2, "present": 3, "per_label": {"a": [2, 3, 1]}}
+    rows = {"run": {"seed": 7, "strategy": "explorative", "steps": {"999": cov}}}
+    pooled = {"absent": {"right": 0, "queries": 1, "accuracy": 0.0}}
+    label_coverage.record("bootstrap", rows, pooled, results)
+    saved = json.loads(results.read_text())
+    assert saved["gate_e"] == {"16": {}}  # the rest of results.json kept
+    assert saved["label_coverage"]["bootstrap"] == {"runs": {"7": {"999": {
+        "accuracy": 0.5, "absent_share": 0.25, "accuracy_absent": 0.0, "accuracy_present": 2 / 3}}}, "pooled": pooled}

@@ -39,6 +39,13 @@ def _signed(value: float, digits: int = 3) -> str:
     return f"{value:+.{digits}f}"
 
 
+def _signed_mean(value: float) -> str:
+    """A mean of gains measured in steps of 0.005 (two seeds, 200 queries): four decimals where the fourth is
+    not 0 (+0.0625, -0.0075), three otherwise, so it is not rounded to a number no seed gives."""
+    text = f"{value:+.4f}"
+    return text.removesuffix("0")
+
+
 def _table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -734,7 +741,7 @@ def stream_rl_gate_e() -> str:
         if "not_run" in d:  # decided by a seed that is not positive before the others ran
             detail = f" (seed {', '.join(map(str, d['not_run']))} not run yet)"
         else:
-            detail = f" (mean {_signed(d['test_gain'])})" if "test_gains" in d else ""
+            detail = f" (mean {_signed_mean(d['test_gain'])})" if "test_gains" in d else ""
         verdict = f"{rule}: **{d['verdict']}**{detail}" if not d["verdict"].startswith("reported") else d["verdict"]
         rows.append([setting.split("@")[0], str(gate["seed"]), strategy, *curves, reward, gains, verdict, late])
     if not rows:

@@ -63,8 +63,9 @@
 #                 beside this script, to be committed, each stage's latest checkpoint
 #                 (.icrl/checkpoints/<stage>-<config fingerprint>/step-N), the outputs of a training target that has
 #                 not finished (artifacts/<output_dir>, until runs/<target>/probe.json exists) and the evaluation
-#                 work folders (.icrl/evaluations: finished runs and the logs of runs in progress, copied by
-#                 `icrl redact`: no query text, which must not enter the repository; `icrl check-text` then
+#                 run store (.icrl/evaluations, copied by `icrl redact`: no query text, which must not enter the
+#                 repository; merged by park_evaluations.py: the logs of runs in progress, the runs finished since
+#                 the last park and new probe caches, not every run ever finished; `icrl check-text` then
 #                 searches everything parked for the datasets' texts and fails on a hit). Every training
 #                 target first restores what is parked, so the next session's run resumes: the stage from its
 #                 checkpoint (the fingerprint in the folder name only matches the same settings), a trained stage is
@@ -180,11 +181,14 @@ park() {  # the latest checkpoint of every stage, unfinished targets' outputs, e
     done
     if [[ -d .icrl/evaluations ]]; then
         drop_finished_partials
-        rm -rf "$PARKED/evaluations"
+        rm -rf "$PARKED/evaluations.staged"
         mkdir -p "$PARKED"
         # without the queries' text (each a SHA-256 digest; the run resumes from it): the datasets stay out of git
-        "$ICRL" redact .icrl/evaluations "$PARKED/evaluations"
-        echo "== parked .icrl/evaluations in $PARKED/evaluations (no query text): commit it"
+        "$ICRL" redact .icrl/evaluations "$PARKED/evaluations.staged"
+        # merged, not replaced: the runs in progress, the runs finished since the last park, new probe caches
+        .venv/bin/python "$E/park_evaluations.py" "$PARKED/evaluations.staged" "$PARKED/evaluations"
+        rm -rf "$PARKED/evaluations.staged"
+        echo "== parked .icrl/evaluations into $PARKED/evaluations (no query text): commit it"
     fi
     if [[ -d $PARKED ]]; then  # fails (exit 1) if any parked file holds a dataset's text: nothing to commit then
         "$ICRL" check-text "$PARKED"

@@ -29,8 +29,11 @@ def project(tmp_path) -> Path:
     """The script in a copy of the project's layout, with `icrl` a stand-in that appends its arguments to a log."""
     (tmp_path / SCRIPT).parent.mkdir(parents=True)
     shutil.copy2(ROOT / SCRIPT, tmp_path / SCRIPT)
+    # park merges the evaluation run store with this script, run by the project's python
+    shutil.copy2(ROOT / SCRIPT.parent / "park_evaluations.py", tmp_path / SCRIPT.parent / "park_evaluations.py")
     stub = tmp_path / ".venv" / "bin" / "icrl"
     stub.parent.mkdir(parents=True)
+    (stub.parent / "python").symlink_to(sys.executable)
     real = Path(sys.executable).parent / "icrl"  # `icrl redact` (park's copy of the evaluation logs) and `icrl
     # check-text` (park's search of what it parked for the datasets' texts) run for real
     stub.write_text(f'#!/bin/sh\n[ "$1" = redact ] && exec {real} "$@"\n'

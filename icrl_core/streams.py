@@ -128,14 +128,17 @@ class StreamStep:
     answer_ids: tuple[int, ...]
     decisions: list[Decision]  # positions index the step's sequence
     sequence: int = 0         # which of the stream's sequences holds the step (naive: all in sequence 0)
-    # answered right with a label no rewarded episode of its context holds (`discovery_rewards`)
-    novel: bool = False
     # the gold label has no rewarded episode in the step's context (a right answer would be a discovery)
     gold_absent: bool = False
 
     @property
     def reward(self) -> float:
         return float(self.record.reward)
+
+    @property
+    def novel(self) -> bool:
+        """Answered right with a label no rewarded episode of its context holds (`discovery_rewards`)."""
+        return bool(self.record.reward) and self.gold_absent
 
     @property
     def logp(self) -> float:
@@ -366,15 +369,14 @@ def generate_streams(policy, task: StreamTask, rngs: Sequence[np.random.Generato
             record = EpisodeRecord(t, example.text, example.label, label, reward, reward)
             histories[g].append(record)
             absent = example.label not in shown_labels[g]
-            novel = bool(reward) and absent
             if selectors is None:
                 if t >= burn_in:
-                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i], novel=novel,
+                    steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i],
                                                gold_absent=absent))
                 fed[g] = fed[g] + answer[i][:-1]  # the cache holds these; the end of turn comes with the next block
             elif t >= burn_in:
                 steps[g].append(StreamStep(record, starts[i], tuple(answer[i]), decisions[i],
-                                           sequence=len(sequences[g]), novel=novel, gold_absent=absent))
+                                           sequence=len(sequences[g]), gold_absent=absent))
                 sequences[g].append(fed[g] + answer[i])
     if selectors is None:
         sequences = [[fed[g] + [steps[g][-1].answer_ids[-1]]] for g in range(n)]

@@ -242,8 +242,7 @@ def test_stream_statistics_by_hand():
 
     def stream(answers: list[tuple[str, str]]) -> Stream:
         steps = [StreamStep(EpisodeRecord(t, "q", gold, said, int(gold == said), int(gold == said)), 0, (1,),
-                            [Decision(0, (1, 2), 0, math.log(0.5))], novel=gold == said and t < 3,
-                            gold_absent=t < 3)
+                            [Decision(0, (1, 2), 0, math.log(0.5))], gold_absent=t < 3)
                  for t, (gold, said) in enumerate(answers)]
         return Stream(None, 0, [], steps)
 

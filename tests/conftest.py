@@ -45,6 +45,20 @@ def perturb_lora_b(policy, std: float, seed: int = 0) -> None:
                 param.normal_(std=std, generator=generator)
 
 
+def write_toy_task(root: Path, queries: int) -> Path:
+    """A two-label task folder `root/tasks/toy` laid out as ../shared/data/icrl-tasks/<task> is (labels.txt,
+    train.jsonl, test.jsonl with the same `queries` rows: `query i`, labelled yes for odd i); returns root/tasks."""
+    import json
+
+    folder = root / "tasks" / "toy"
+    folder.mkdir(parents=True)
+    (folder / "labels.txt").write_text("yes\nno\n")
+    rows = [{"text": f"query {i}", "label": "yes" if i % 2 else "no"} for i in range(queries)]
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root / "tasks"
+
+
 @pytest.fixture(scope="session")
 def tasks_dir() -> Path:
     assert TASKS_DIR.is_dir(), f"test data not found at {TASKS_DIR}"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_toy_task
 
 sys.path.insert(0, str(ROOT))
 _spec = importlib.util.spec_from_file_location("label_coverage",
@@ -32,20 +32,15 @@ def test_coverage_row_by_hand():
 
 
 def test_a_run_folder_and_a_bad_one(tmp_path, capsys):
-    tasks = tmp_path / "tasks" / "toy"
-    tasks.mkdir(parents=True)
-    (tasks / "labels.txt").write_text("yes\nno\n")
-    rows = [{"text": f"query {i}", "label": "yes" if i % 2 else "no"} for i in range(4)]
-    for split in ("train", "test"):
-        (tasks / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks_dir = write_toy_task(tmp_path, 4)
     from icrl_core.task_data import load_task_from_dir
 
-    gold = [e.label for e in load_task_from_dir("toy", tmp_path / "tasks").test_set(4, 0)]
+    gold = [e.label for e in load_task_from_dir("toy", tasks_dir).test_set(4, 0)]
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"icrl_eval": {"task": "toy", "test_k": 4, "test_seed": 0,
                                                                "seed": 7, "strategy": "explorative"},
-                                                 "data": {"tasks_dir": str(tmp_path / "tasks")}}))
+                                                 "data": {"tasks_dir": str(tasks_dir)}}))
     # step 1's context: step 0, a rewarded `yes`
     steps = [{"step": 0, "gold": "yes", "reward": 1, "context": []}, {"step": 1, "gold": "no", "reward": 0,
                                                                         "context": [0]}]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_toy_task
 
 _spec = importlib.util.spec_from_file_location("paired_gain",
                                                ROOT / "experiments" / "icrl_stream_rl" / "paired_gain.py")
@@ -27,16 +27,6 @@ def test_paired_difference_by_hand():
     assert same["difference"] == 0 and same["standard_error"] == 0
 
 
-def _task(tmp_path):
-    folder = tmp_path / "tasks" / "toy"
-    folder.mkdir(parents=True)
-    (folder / "labels.txt").write_text("yes\nno\n")
-    rows = [{"text": f"query {i}", "label": "yes" if i % 2 else "no"} for i in range(6)]
-    for split in ("train", "test"):
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return tmp_path / "tasks"
-
-
 def _run(folder, name, tasks_dir, seed, predictions_by_step):
     run = folder / "runs" / name
     run.mkdir(parents=True)
@@ -47,7 +37,7 @@ def _run(folder, name, tasks_dir, seed, predictions_by_step):
 
 
 def test_a_gate_folder_pairs_the_two_runs_on_the_same_test_queries(tmp_path, capsys):
-    tasks_dir = _task(tmp_path)
+    tasks_dir = write_toy_task(tmp_path, 6)
     gold = [e.label for e in paired_gain.load_task_from_dir("toy", tasks_dir).test_set(4, 3)]
     flip = {"yes": "no", "no": "yes"}
     trained = [gold[0], gold[1], flip[gold[2]], gold[3]]  # right on 0, 1, 3

@@ -749,8 +749,9 @@ def stream_rl_gate_e() -> str:
     return (_table(["setting", "seed", "strategy", "base (test accuracy at each test step)", "bootstrap (start)",
                     "RL adapter", "training-stream reward base / start / RL", "RL - bootstrap at the last step",
                     "rule", "RL - bootstrap, mean over test steps 499-999"], rows)
-            + "\nThe last column was read after every gate had run (post hoc; no rule uses it): one test step's gain "
-              "moves by up to 0.1 between adjacent steps of a run, the mean over the late steps less.\n")
+            + "\nThe last column was first read after setting 25's gate had run (post hoc for settings 15-25): one test "
+              "step's gain moves by up to 0.1 between adjacent steps of a run, the mean over the late steps less. "
+              "Setting 26's rule uses it (addendum 44, fixed before its runs).\n")
 
 
 def stream_rl_label_coverage() -> str:

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.unit.test_paired_gain import _task as _toy_task
+from tests.conftest import ROOT, write_toy_task
 
 sys.path.insert(0, str(ROOT / "experiments" / "icrl_stream_rl"))
 _spec = importlib.util.spec_from_file_location("collect_recipe", ROOT / "experiments" / "icrl_skill" / "collect_recipe.py")
@@ -112,7 +111,7 @@ def test_the_report_tables_show_the_recipe_run_and_the_final_tests_once_collecte
 def test_a_final_test_gets_the_paired_differences_between_models_and_each_runs_minutes(tmp_path, results):
     from icrl_core.task_data import load_task_from_dir
 
-    tasks_dir = _toy_task(tmp_path)  # the two-label task of the paired_gain tests
+    tasks_dir = write_toy_task(tmp_path, 6)
     gold = [example.label for example in load_task_from_dir("toy", tasks_dir).test_set(4, 3)]
     flip = {"yes": "no", "no": "yes"}
     answers = {"trained": [gold[0], gold[1], flip[gold[2]], gold[3]],  # right on 0, 1, 3

@@ -48,6 +48,13 @@
 #                 (ppo.stream.discovery_bonus) and p_keep 0.25, then gate E26 at seeds 7 and 8 (explorative, 1000
 #                 steps; its rule reads test steps 499-999) and its probe
 #   s26-gate2-SEED-STRATEGY, s26-forgetting  as for s15, for setting 26 (only if gate E26 passes)
+#   s27-start     setting 27's start (addendum 45): the H32 bootstrap recipe stopped at 25 steps (its datasets, then
+#                 artifacts/bootstrap_short, or its kept copy adapters/bootstrap_short), its runs at seeds 7 and 8
+#                 (explorative, 1000 steps) beside the H32 bootstrap's, and its probe
+#   s27           setting 27 (addendum 45): setting 16's RL stage from that 25-step bootstrap, then gate E27 at seeds
+#                 7 and 8 against it (explorative, 1000 steps; its rule reads test steps 499-999) and its probe
+#   s27-gate2-SEED-STRATEGY, s27-forgetting  as for s15, for setting 27 against the 25-step bootstrap (only if gate
+#                 E27 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -117,7 +124,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [burn_in_streams]=runs/s16/probe.json [burn_in_streams_more]=runs/s17/probe.json
                   [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json
                   [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json
-                  [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json)
+                  [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json
+                  [bootstrap_short]=runs/s27/probe-start.json [short_start_streams]=runs/s27/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -219,7 +227,10 @@ restore_kept() {  # restore_kept NAME DEST: the adapter kept in the repository (
 declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=burn_in_streams_more
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
-                         [24]=souped_streams [25]=summed_streams [26]=discovery_streams)
+                         [24]=souped_streams [25]=summed_streams [26]=discovery_streams
+                         [27]=short_start_streams)
+# The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
+declare -A SETTING_START=([27]=bootstrap_short)
 
 setting_output() {  # setting_output SETTING TARGET: sets `output` to SETTING_OUTPUT[SETTING], or says which settings have one
     output=${SETTING_OUTPUT[$1]:-}
@@ -265,11 +276,15 @@ setting_adapter() {  # setting_adapter OUTPUT_DIR: artifacts/OUTPUT_DIR/adapter,
 gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's gate 2, TARGET sSETTING-gate2-SEED-STRATEGY:
                 # the evaluate stage on seed SEED, strategy STRATEGY only, the adapter restored from adapters/OUTPUT_DIR
     local part=${3#s$1-gate2-} adapter=artifacts/$2/adapter
-    local seed=${part%%-*} strategy=${part#*-}
+    local seed=${part%%-*} strategy=${part#*-} start=artifacts/bootstrap/adapter
     restore_kept bootstrap_h32 artifacts/bootstrap/adapter || return 1
+    if [[ -n ${SETTING_START[$1]:-} ]]; then
+        start=artifacts/${SETTING_START[$1]}/adapter
+        restore_kept "${SETTING_START[$1]}" "$start" || return 1
+    fi
     setting_adapter "$2" || return 1
     step "$3" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
-        --set "evaluate.adapter=$adapter" --set "evaluate.strategies=[$strategy]" \
+        --set "evaluate.adapter=$adapter" --set "evaluate.start_adapter=$start" --set "evaluate.strategies=[$strategy]" \
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
 }
 
@@ -315,6 +330,21 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml
             step "gate E" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml -c $E/gate_explorative.yaml
             probe artifacts/explorative_streams/adapter runs/s15/probe.json ;;
+        s27-start)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            if ! trained bootstrap_short; then
+                for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
+                step s27-start "$ICRL" stage bootstrap "${SKILL[@]}" -c $E/short_bootstrap.yaml
+            fi
+            gate_two_seeds 27_start || exit 1
+            probe artifacts/bootstrap_short/adapter runs/s27/probe-start.json ;;
+        s27)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained bootstrap_short || { echo "run.sh s27: run s27-start first (artifacts/bootstrap_short)" >&2; exit 2; }
+            trained short_start_streams || step s27 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/short_start_streams.yaml
+            gate_two_seeds 27 || exit 1
+            probe artifacts/short_start_streams/adapter runs/s27/probe.json ;;
         s[0-9][0-9]-gate2-*)
             setting_output "${target:1:2}" "$target" || exit 2
             gate2_part "${target:1:2}" "$output" "$target" || exit 1 ;;
@@ -431,7 +461,8 @@ for target in "$@"; do
                  "s20, s20-gate2-SEED-STRATEGY, s20-forgetting, s21, s21-gate2-SEED-STRATEGY, s21-forgetting," \
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
-                 "s26, s26-gate2-SEED-STRATEGY, s26-forgetting," \
+                 "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
+                 "s27-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -125,6 +125,19 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: late({"499": 0.5}), 8: late({"999": -0.03})}, "26")["verdict"] == "failed"
     with pytest.raises(ValueError, match="before test step 999"):
         gate_e.late_gain({"test_accuracy": {"499": 0.5}}, {"test_accuracy": {"499": 0.4}}, 499, 999)
+    # setting 27's gate E27 (addendum 45): gate E26's rule against a weaker start, and the RL adapter's own late
+    # accuracy averaged over the seeds at least 0.400 (seven's late steps 0.49, 0.51, 0.54; eight's 0.52, 0.51, 0.51)
+    d = gate_e.seeds_decision({7: seven, 8: eight}, "27")
+    assert d["verdict"] == "passed" and d["level"] == pytest.approx(0.5133) and d["min_level"] == 0.4
+    assert "own mean accuracy there >= 0.400" in d["rule"]
+
+    def lower(runs_of_seed: dict, by: float) -> dict:  # both adapters `by` lower at every test step
+        return {name: {**run, "test_accuracy": {k: v - by for k, v in run["test_accuracy"].items()}}
+                for name, run in runs_of_seed.items()}
+
+    low = gate_e.seeds_decision({7: lower(seven, 0.12), 8: lower(eight, 0.12)}, "27")  # gains kept, level 0.393
+    assert low["verdict"] == "failed" and low["test_gains"] == {"7": 0.08, "8": 0.08}
+    assert gate_e.seeds_decision({7: lower(seven, 0.11), 8: lower(eight, 0.11)}, "27")["verdict"] == "passed"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

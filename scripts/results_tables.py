@@ -742,6 +742,9 @@ def stream_rl_gate_e() -> str:
             detail = f" (seed {', '.join(map(str, d['not_run']))} not run yet)"
         else:
             detail = f" (mean {_signed_mean(d['test_gain'])})" if "test_gains" in d else ""
+            if "level" in d:  # a rule on the adapter's own late accuracy (settings 27's start and gate E27)
+                detail = f"{detail[:-1]}; " if detail else " ("
+                detail += f"own late accuracy {_fmt(d['level'], 3)})"
         verdict = f"{rule}: **{d['verdict']}**{detail}" if not d["verdict"].startswith("reported") else d["verdict"]
         rows.append([setting.split("@")[0], str(gate["seed"]), strategy, *curves, reward, gains, verdict, late])
     if not rows:
@@ -751,7 +754,8 @@ def stream_rl_gate_e() -> str:
                     "rule", "RL - bootstrap, mean over test steps 499-999"], rows)
             + "\nThe last column was first read after setting 25's gate had run (post hoc for settings 15-25): one test "
               "step's gain moves by up to 0.1 between adjacent steps of a run, the mean over the late steps less. "
-              "Setting 26's rule uses it (addendum 44, fixed before its runs).\n")
+              "Setting 26's rule uses it (addendum 44, fixed before its runs). Rows `27-start`: setting 27's start, "
+              "the 25-step bootstrap, in the RL-adapter column and the H32 bootstrap as its start (addendum 45).\n")
 
 
 def stream_rl_label_coverage() -> str:

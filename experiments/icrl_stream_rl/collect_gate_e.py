@@ -22,6 +22,8 @@ of that setting's rule.
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 16 --folder artifacts/gate_explorative_s16_seed8
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 26 --folder artifacts/gate_explorative_s26 \
         --folder artifacts/gate_explorative_s26_seed8
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 27 --start \
+        --folder artifacts/gate_explorative_s27_start --folder artifacts/gate_explorative_s27_start_seed8
 
 A run at a seed that is not its setting's development seed is stored as SETTING@SEED; one outside the setting's
 rule (setting 16 at seed 8, addendum 36) is reported, not decided.
@@ -53,6 +55,9 @@ Rules (each fixed before its runs):
 - setting 27 (addendum 45, gate E27, `gate_explorative_s27.yaml`, seeds 7 and 8, against the 25-step bootstrap it
   started from): gate E26's rule, and the RL adapter's own test accuracy averaged over test steps 499-999 and the
   two seeds at least 0.400 (the H32 bootstrap's 0.420 less 2 points: a weaker start must not make a weaker recipe).
+  Its start's runs (`--start`: the 25-step bootstrap as the runs' `trained` adapter, the H32 bootstrap as their
+  `start`) decide first whether it is trained at all: not if the 25-step bootstrap's own test accuracy averaged over
+  test steps 499-999 and seeds 7, 8 is at least 0.390 (its start would not be weaker).
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ LATE = {"26": (499, 999), "27": (499, 999)}
 # setting -> the least test accuracy of the RL adapter itself, averaged over LATE's test steps and the seeds: for a
 # setting that starts from a weaker bootstrap than H32, so beating its start cannot come from starting lower
 LEAST_LEVEL = {"27": 0.400}
+# setting -> the start's own late accuracy (LATE's steps, averaged over the seeds) at or above which the setting is
+# not trained: a setting that starts from a weaker bootstrap, whose start turned out not to be weaker
+START_STOP = {"27": 0.390}
 
 
 def gate_strategy(setting: str) -> str:
@@ -169,6 +177,25 @@ def late_level(run: dict, first: int, last: int) -> float:
     return sum(run["test_accuracy"][s] for s in steps) / len(steps)
 
 
+def start_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
+    """A setting's start runs (START_STOP): its start's own test accuracy averaged over LATE's test steps and the
+    development seeds; 'stop' (the setting is not trained) at or above START_STOP's bound, 'train' below it,
+    'pending' until every seed's run is in."""
+    strategy, bound = gate_strategy(setting), START_STOP[setting]
+    seeds = ", ".join(str(s) for s in gate_seeds(setting))
+    rule = ("the start's own mean test accuracy over test steps {}-{} and seeds {} >= {:.3f}: not trained"
+            .format(*LATE[setting], seeds, bound))
+    levels = {}
+    for seed in gate_seeds(setting):
+        run = runs_by_seed.get(seed, {}).get(f"trained-{strategy}")
+        if run is None:
+            return {"verdict": "pending", "rule": rule}
+        levels[str(seed)] = round(late_level(run, *LATE[setting]), 4)
+    level = round(sum(levels.values()) / len(levels), 4)
+    return {"levels": levels, "level": level, "max_level": bound, "rule": rule,
+            "verdict": "stop: not trained" if level >= bound - 1e-9 else "train"}
+
+
 def rule_text(setting: str) -> str:
     seeds = ", ".join(str(s) for s in gate_seeds(setting))
     what = "test gain" if setting not in LATE else "test gain over test steps {}-{}".format(*LATE[setting])
@@ -183,17 +210,30 @@ def main() -> None:
                         help="the setting whose adapter the runs evaluated (its pre-registered rule)")
     parser.add_argument("--folder", type=Path, required=True, action="append",
                         help="the evaluate stage's output folder (once per seed)")
+    parser.add_argument("--start", action="store_true",
+                        help="the folders hold the setting's start runs (START_STOP), its start as `trained`")
     args = parser.parse_args()
+    if args.start and args.setting not in START_STOP:
+        parser.error(f"--start: setting {args.setting} has no start runs (settings: {', '.join(START_STOP)})")
     results = read_results()
     gates = results.setdefault("gate_e", {})
     strategy = gate_strategy(args.setting)
+    name = f"{args.setting}-start" if args.start else args.setting
     for folder in args.folder:
         row = seed_row(folder)
         config = json.loads(next((folder / "runs").glob(f"*-{strategy}/config.json")).read_text())
         seed = config["icrl_eval"]["seed"]
-        gates[entry_key(args.setting, seed)] = {"seed": seed, "strategy": strategy, **row}
+        key = entry_key(args.setting, seed).replace(args.setting, name, 1)
+        gates[key] = {"seed": seed, "strategy": strategy, **row}
     seeds = gate_seeds(args.setting)
-    own = {key: gate for key, gate in gates.items() if key.split("@")[0] == args.setting}
+    own = {key: gate for key, gate in gates.items() if key.split("@")[0] == name}
+    if args.start:
+        decided = start_decision({g["seed"]: g["runs"] for g in own.values()}, args.setting)
+        for gate in own.values():
+            gate["decision"] = decided
+            print(f"setting {args.setting}'s start (seed {gate['seed']}): {decided}")
+        write_results(results)
+        return
     several = seeds_decision({g["seed"]: g["runs"] for g in own.values()}, args.setting) if len(seeds) > 1 else None
     for gate in own.values():
         if gate["seed"] not in seeds:  # beside another setting's gate, not this setting's rule

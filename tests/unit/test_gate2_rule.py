@@ -138,6 +138,13 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     low = gate_e.seeds_decision({7: lower(seven, 0.12), 8: lower(eight, 0.12)}, "27")  # gains kept, level 0.393
     assert low["verdict"] == "failed" and low["test_gains"] == {"7": 0.08, "8": 0.08}
     assert gate_e.seeds_decision({7: lower(seven, 0.11), 8: lower(eight, 0.11)}, "27")["verdict"] == "passed"
+    # setting 27's start runs: the 25-step bootstrap is the runs' `trained` adapter; at or above a late mean of 0.390
+    # over both seeds it is not weaker than H32's and setting 27 is not trained
+    stop = gate_e.start_decision({7: seven, 8: eight}, "27")
+    assert stop["verdict"] == "stop: not trained" and stop["levels"] == {"7": 0.5133, "8": 0.5133}
+    go = gate_e.start_decision({7: lower(seven, 0.13), 8: lower(eight, 0.13)}, "27")
+    assert go["verdict"] == "train" and go["level"] == pytest.approx(0.3833)
+    assert gate_e.start_decision({7: seven}, "27")["verdict"] == "pending"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

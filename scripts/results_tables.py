@@ -741,10 +741,10 @@ def stream_rl_gate_e() -> str:
         if "not_run" in d:  # decided by a seed that is not positive before the others ran
             detail = f" (seed {', '.join(map(str, d['not_run']))} not run yet)"
         else:
-            detail = f" (mean {_signed_mean(d['test_gain'])})" if "test_gains" in d else ""
-            if "level" in d:  # a rule on the adapter's own late accuracy (settings 27's start and gate E27)
-                detail = f"{detail[:-1]}; " if detail else " ("
-                detail += f"own late accuracy {_fmt(d['level'], 3)})"
+            parts = [f"mean {_signed_mean(d['test_gain'])}"] if "test_gains" in d else []
+            if "level" in d:  # a rule on the adapter's own late accuracy (setting 27's start and gate E27)
+                parts.append(f"own late accuracy {_fmt(d['level'], 3)}")
+            detail = f" ({'; '.join(parts)})" if parts else ""
         verdict = f"{rule}: **{d['verdict']}**{detail}" if not d["verdict"].startswith("reported") else d["verdict"]
         rows.append([setting.split("@")[0], str(gate["seed"]), strategy, *curves, reward, gains, verdict, late])
     if not rows:

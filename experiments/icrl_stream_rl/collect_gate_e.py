@@ -108,12 +108,36 @@ def gains(runs: dict, strategy: str, late: tuple[int, int] | None = None) -> tup
     return (round(trained["train_accuracy"] - start["train_accuracy"], 4), round(test_gain, 4))
 
 
+def late_steps(first: int, last: int, *runs: dict) -> list[str]:
+    """The test steps in [first, last] every run measured; ValueError if one stopped before test step `last`."""
+    steps = [s for s in runs[0]["test_accuracy"] if first <= int(s) <= last
+             and all(s in run["test_accuracy"] for run in runs)]
+    if str(last) not in steps:
+        raise ValueError(f"a run stopped before test step {last}: the late mean needs steps {first}-{last}")
+    return steps
+
+
 def late_gain(trained: dict, start: dict, first: int, last: int) -> float:
     """mean over the test steps s in [first, last] both runs measured of acc_trained(s) - acc_start(s)."""
-    steps = [s for s in trained["test_accuracy"] if first <= int(s) <= last and s in start["test_accuracy"]]
-    if str(last) not in steps:
-        raise ValueError(f"a run stopped before test step {last}: the late gain needs steps {first}-{last}")
+    steps = late_steps(first, last, trained, start)
     return sum(trained["test_accuracy"][s] - start["test_accuracy"][s] for s in steps) / len(steps)
+
+
+def late_level(run: dict, first: int, last: int) -> float:
+    """mean over the test steps s in [first, last] of the run's test accuracy acc(s)."""
+    steps = late_steps(first, last, run)
+    return sum(run["test_accuracy"][s] for s in steps) / len(steps)
+
+
+def seed_levels(runs_by_seed: dict[int, dict], setting: str) -> dict[str, float] | None:
+    """Each development seed's `trained` run's late_level over LATE's test steps; None until every seed's is in."""
+    levels = {}
+    for seed in gate_seeds(setting):
+        run = runs_by_seed.get(seed, {}).get(f"trained-{gate_strategy(setting)}")
+        if run is None:
+            return None
+        levels[str(seed)] = round(late_level(run, *LATE[setting]), 4)
+    return levels
 
 
 def decision(runs: dict, setting: str = "15") -> dict:
@@ -143,16 +167,13 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
     bound; 'pending' until every seed's runs are in, unless a seed already in has a gain that is not positive (the
     rule has failed whatever the others give: 'failed', with the seeds still out listed as `not_run`)."""
     _, min_mean_gain = RULES[setting]
-    test_gains, levels, missing = {}, {}, []
+    test_gains, missing = {}, []
     for seed in gate_seeds(setting):
         measured = gains(runs_by_seed.get(seed, {}), gate_strategy(setting), LATE.get(setting))
         if measured is None:
             missing.append(seed)
         else:
             test_gains[str(seed)] = measured[1]
-            if setting in LEAST_LEVEL:
-                levels[str(seed)] = round(late_level(runs_by_seed[seed][f"trained-{gate_strategy(setting)}"],
-                                                     *LATE[setting]), 4)
     if missing:
         if any(g <= 0 for g in test_gains.values()):
             return {"test_gains": test_gains, "not_run": missing, "min_test_gain": min_mean_gain,
@@ -162,6 +183,7 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
     passed = mean >= min_mean_gain - 1e-9 and all(g > 0 for g in test_gains.values())
     level = {}
     if setting in LEAST_LEVEL:
+        levels = seed_levels(runs_by_seed, setting)
         mean_level = round(sum(levels.values()) / len(levels), 4)
         level = {"levels": levels, "level": mean_level, "min_level": LEAST_LEVEL[setting]}
         passed = passed and mean_level >= LEAST_LEVEL[setting] - 1e-9
@@ -169,28 +191,17 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
             "rule": rule_text(setting), "verdict": "passed" if passed else "failed"}
 
 
-def late_level(run: dict, first: int, last: int) -> float:
-    """mean over the test steps s in [first, last] of the run's test accuracy acc(s)."""
-    steps = [s for s in run["test_accuracy"] if first <= int(s) <= last]
-    if str(last) not in steps:
-        raise ValueError(f"a run stopped before test step {last}: the late level needs steps {first}-{last}")
-    return sum(run["test_accuracy"][s] for s in steps) / len(steps)
-
-
 def start_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
     """A setting's start runs (START_STOP): its start's own test accuracy averaged over LATE's test steps and the
     development seeds; 'stop' (the setting is not trained) at or above START_STOP's bound, 'train' below it,
     'pending' until every seed's run is in."""
-    strategy, bound = gate_strategy(setting), START_STOP[setting]
+    bound = START_STOP[setting]
     seeds = ", ".join(str(s) for s in gate_seeds(setting))
     rule = ("the start's own mean test accuracy over test steps {}-{} and seeds {} >= {:.3f}: not trained"
             .format(*LATE[setting], seeds, bound))
-    levels = {}
-    for seed in gate_seeds(setting):
-        run = runs_by_seed.get(seed, {}).get(f"trained-{strategy}")
-        if run is None:
-            return {"verdict": "pending", "rule": rule}
-        levels[str(seed)] = round(late_level(run, *LATE[setting]), 4)
+    levels = seed_levels(runs_by_seed, setting)
+    if levels is None:
+        return {"verdict": "pending", "rule": rule}
     level = round(sum(levels.values()) / len(levels), 4)
     return {"levels": levels, "level": level, "max_level": bound, "rule": rule,
             "verdict": "stop: not trained" if level >= bound - 1e-9 else "train"}

@@ -19,6 +19,14 @@ sys.path.insert(0, str(ROOT))
 from tasks.env import apply_defaults
 
 apply_defaults()
+# Under pytest-xdist the workers share the cores. torch's default (a thread per core in every worker and in every
+# process a test starts) oversubscribes them, and OpenMP threads spinning for a core they do not get cost more than
+# they compute: the unit tier took 249 s on 2 workers and 2 cores, 103 s with one thread each. So each worker, and
+# what it starts, gets its share of the cores (a Ray worker still gets its own from Ray; set OMP_NUM_THREADS to
+# override).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 os.environ.setdefault("PREFECT_HOME", str(ROOT / ".icrl" / "prefect-test-home"))
 Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # a fresh clone has no .icrl/
 

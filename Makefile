@@ -67,7 +67,8 @@ demo: setup
 # finished that step; in a fresh process they pass.
 # The rest runs in TEST_WORKERS pytest-xdist processes, a test file per worker (module fixtures stay in one
 # process): tests spend much of their time waiting on servers, Ray and console scripts starting, so on 2 cores two
-# workers take about a third less wall time than one.
+# workers take about a third less wall time than one. Each worker gets its share of the cores as OMP_NUM_THREADS
+# (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: setup-vllm
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/integration/test_vllm_backend.py

@@ -55,6 +55,10 @@
 #                 7 and 8 against it (explorative, 1000 steps; its rule reads test steps 499-999) and its probe
 #   s27-gate2-SEED-STRATEGY, s27-forgetting  as for s15, for setting 27 against the 25-step bootstrap (only if gate
 #                 E27 passes)
+#   s28           setting 28 (addendum 46): setting 16 with its trained steps sampled and trained at temperature 1.0
+#                 (the test predictions'), the burn-in at 2.0, then gate E28 at seeds 7 and 8 (explorative, 1000
+#                 steps; its rule reads test steps 499-999) and its probe
+#   s28-gate2-SEED-STRATEGY, s28-forgetting  as for s15, for setting 28 (only if gate E28 passes)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -125,7 +129,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [naive_burn_in]=runs/s18/probe.json [test_reward_streams]=runs/s19/probe.json
                   [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json
                   [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json
-                  [bootstrap_short]=runs/s27/probe-start.json [short_start_streams]=runs/s27/probe.json)
+                  [bootstrap_short]=runs/s27/probe-start.json [short_start_streams]=runs/s27/probe.json
+                  [test_temperature_streams]=runs/s28/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -228,7 +233,7 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
                          [24]=souped_streams [25]=summed_streams [26]=discovery_streams
-                         [27]=short_start_streams)
+                         [27]=short_start_streams [28]=test_temperature_streams)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -345,6 +350,12 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/short_start_streams.yaml
             gate_two_seeds 27 || exit 1
             probe artifacts/short_start_streams/adapter runs/s27/probe.json ;;
+        s28)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained test_temperature_streams || step s28 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/test_temperature_streams.yaml
+            gate_two_seeds 28 || exit 1
+            probe artifacts/test_temperature_streams/adapter runs/s28/probe.json ;;
         s[0-9][0-9]-gate2-*)
             setting_output "${target:1:2}" "$target" || exit 2
             gate2_part "${target:1:2}" "$output" "$target" || exit 1 ;;
@@ -462,7 +473,7 @@ for target in "$@"; do
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
-                 "s27-forgetting," \
+                 "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -145,6 +145,11 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     go = gate_e.start_decision({7: lower(seven, 0.13), 8: lower(eight, 0.13)}, "27")
     assert go["verdict"] == "train" and go["level"] == pytest.approx(0.3833)
     assert gate_e.start_decision({7: seven}, "27")["verdict"] == "pending"
+    # setting 28's gate E28 (addendum 46): gate E26's rule against the H32 bootstrap, no level term
+    assert gate_e.seeds_decision({7: seven, 8: eight}, "28")["verdict"] == "passed"
+    assert gate_e.seeds_decision({7: lower(seven, 0.3), 8: lower(eight, 0.3)}, "28")["verdict"] == "passed"
+    assert gate_e.seeds_decision({7: late({"999": 0.2}), 8: eight}, "28")["verdict"] == "failed"
+    assert "level" not in gate_e.seeds_decision({7: seven, 8: eight}, "28")
 
 
 def test_a_seed_run_in_parts_is_one_seed():

@@ -440,6 +440,11 @@ class StreamConfig(Section):
                                   "per group and iteration; a group still uniform after them is kept (0: off). "
                                   "For the group objectives; validation groups are never redrawn. Synchronous "
                                   "rollouts of the ppo stage only.")] = 0
+    repeat_label: Annotated[float, Field(ge=0, lt=1, description="Label runs: the probability that a query of a "
+                                "stream (training and validation) has its predecessor's gold label (otherwise a "
+                                "uniform draw, as at 0, the default). Runs make the feedback on one query "
+                                "informative about the next (a label marked wrong is probably wrong again), so "
+                                "group objectives credit reading it; icrl_core/streams.py `label_run_picks`.")] = 0.0
     discovery_bonus: Annotated[float, Field(ge=0, le=10, description="b in r' = r + b * n: added to the reward "
                                    "of a trained step answered right with a label that no rewarded episode of "
                                    "the context it saw holds (n = 1: a discovery the context could not have "

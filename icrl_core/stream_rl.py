@@ -281,7 +281,7 @@ def stream_tasks(sources, data: DataConfig, cfg: PPOConfig, seed: int, iteration
     key = draw_key(cfg, iteration)
     queries = cfg.stream.burn_in + cfg.stream.steps
     return [(group, sample_stream_task(sources, data, queries, seed, f"{split}-{key}-{group}", split,
-                                       cfg.stream.test_reward.queries))
+                                       cfg.stream.test_reward.queries, cfg.stream.repeat_label))
             for group in groups]
 
 
@@ -376,7 +376,7 @@ def redraw_uniform_groups(policy, sources, data: DataConfig, cfg: PPOConfig, see
             if not uniform_group(members):
                 break
             task = sample_stream_task(sources, data, queries, seed, f"train-{key}-{group}-redraw{redraw}", "train",
-                                      cfg.stream.test_reward.queries)
+                                      cfg.stream.test_reward.queries, cfg.stream.repeat_label)
             members = roll_out_tasks(policy, [(group, task)], cfg, seed, iteration, max_tokens, engine, redraw)
             redrawn += 1
         kept += members

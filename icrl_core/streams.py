@@ -32,6 +32,7 @@ hidden size.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,12 +80,37 @@ class StreamTask:
     tests: tuple[Example, ...] = ()
 
 
+def label_run_picks(pool: Sequence[Example], steps: int, rng: random.Random, repeat_label: float) -> list[int]:
+    """Indices into `pool` of `steps` queries in label runs: after the first, each query has its predecessor's
+    gold label with probability `repeat_label` (an unused example of that label while any is left), otherwise it
+    is a uniform draw of the unused pool (as without runs). Runs last 1 / (1 - repeat_label) queries on average
+    (plus chance repeats), so the feedback on one query tells the policy about the next one's label: a label
+    marked wrong is probably wrong again, one marked right probably right."""
+    by_label: dict[str, list[int]] = {}
+    for i, example in enumerate(pool):
+        by_label.setdefault(example.label, []).append(i)
+    unused = set(range(len(pool)))
+    picks: list[int] = []
+    for _ in range(steps):
+        if picks and rng.random() < repeat_label:
+            same = by_label[pool[picks[-1]].label]
+            candidates = [i for i in same if i in unused] or same
+        else:
+            candidates = sorted(unused) or list(range(len(pool)))
+        pick = rng.choice(candidates)
+        picks.append(pick)
+        unused.discard(pick)
+    return picks
+
+
 def sample_stream_task(sources: Sequence[ResolvedSource], data: DataConfig, steps: int, seed: int, key: str,
-                       split: str = "train", tests: int = 0) -> StreamTask:
+                       split: str = "train", tests: int = 0, repeat_label: float = 0.0) -> StreamTask:
     """A task for one group, drawn like a bootstrap episode: a source by weight, its label subset
     (`episode_labels`: all labels, or `data.labels_per_episode`), a label renaming with `data.permute_labels`,
     then `steps` queries of those labels from the split's pool, and after them `tests` held-out ones (all without
-    replacement while the pool lasts). Deterministic in (seed, key); tests=0 draws what it always drew."""
+    replacement while the pool lasts). Deterministic in (seed, key); tests=0 draws what it always drew.
+    `repeat_label` > 0 orders the `steps` queries in label runs (`label_run_picks`); the tests are then uniform
+    draws of the examples the steps left."""
     tasks = [s for s in sources if s.task is not None]
     if not tasks:
         raise UserError("stream rollouts need a task or synthetic source in data.sources (file sources carry no "
@@ -99,8 +125,13 @@ def sample_stream_task(sources: Sequence[ResolvedSource], data: DataConfig, step
     if not pool:
         raise UserError(f"task '{task.name}': its {split} split has no example of the labels {subset}")
     wanted = steps + tests
-    picks = rng.sample(range(len(pool)), wanted) if len(pool) >= wanted else [rng.randrange(len(pool))
-                                                                              for _ in range(wanted)]
+    if repeat_label > 0:
+        picks = label_run_picks(pool, steps, rng, repeat_label)
+        left = sorted(set(range(len(pool))) - set(picks))
+        picks += rng.sample(left, tests) if len(left) >= tests else [rng.randrange(len(pool)) for _ in range(tests)]
+    else:
+        picks = rng.sample(range(len(pool)), wanted) if len(pool) >= wanted else [rng.randrange(len(pool))
+                                                                                  for _ in range(wanted)]
     drawn = tuple(Example(pool[i].text, rename.get(pool[i].label, pool[i].label)) for i in picks)
     labels = tuple(rename.get(label, label) for label in subset)
     return StreamTask(task.name, labels, task.template, drawn[:steps], drawn[steps:])

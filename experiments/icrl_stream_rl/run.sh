@@ -59,6 +59,12 @@
 #                 (the test predictions'), the burn-in at 2.0, then gate E28 at seeds 7 and 8 (explorative, 1000
 #                 steps; its rule reads test steps 499-999) and its probe
 #   s28-gate2-SEED-STRATEGY, s28-forgetting  as for s15, for setting 28 (only if gate E28 passes)
+#   s29           setting 29 (addendum 47): setting 18 with every stream's queries in label runs (repeat_label
+#                 0.5), then its probe (trec_coarse, and banking77 reported), check P29 (the trec_coarse probe's
+#                 n=1 feedback effect >= +0.10; below it the setting stops), then gate N29 at seeds 7 and 8 (naive,
+#                 1000 steps; its rule reads test steps 499-999)
+#   s29-gate2-SEED-STRATEGY, s29-forgetting  as for s15, for setting 29 (only if gate N29 passes)
+#   probe-banking77-bootstrap  the banking77 probe of the bootstrap adapter (setting 29's reported comparison)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -115,6 +121,25 @@ probe() {  # probe ADAPTER OUTPUT: gate 1's feedback probe (trec_coarse, target 
         --queries 40 --seed 0 --dtype float32 --threads 2 --adapter "$1" --output "$2" --no-progress
 }
 
+probe_banking77() {  # probe_banking77 ADAPTER OUTPUT: the probe on a training task (banking77, target `card arrival`,
+                    # 40 queries, seed 0, fp32; addendum 47): reported beside gate 1's, not a gate
+    mkdir -p "$(dirname "$2")"
+    step "probe banking77 $1" "$ICRL" probe-feedback --task banking77 --target "card arrival" --attempts 1 \
+        --attempts 4 --queries 40 --seed 0 --dtype float32 --threads 2 --adapter "$1" --output "$2" --no-progress
+}
+
+probe_check() {  # probe_check PROBE_JSON LEAST SETTING: check P (addendum 47): the n=1 feedback effect of a probe
+                 # at least LEAST, else the setting stops before its gate runs (exit status 1)
+    .venv/bin/python - "$1" "$2" "$3" <<'PY'
+import json, sys
+effect = json.load(open(sys.argv[1]))["feedback_effect"]["1"]
+passed = effect >= float(sys.argv[2])
+print(f"== check P{sys.argv[3]}: n=1 feedback effect {effect:+.3f}, rule >= +{float(sys.argv[2]):.2f}: "
+      f"{'passed, the gate runs follow' if passed else 'failed, the setting stops here (no gate runs)'}")
+sys.exit(0 if passed else 1)
+PY
+}
+
 forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and the 1509-item probe, base and adapter
     step "forgetting $1" .venv/bin/python "$E/forgetting.py" "$1" "$2" "${SKILL[@]}"
 }
@@ -130,7 +155,7 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json
                   [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json
                   [bootstrap_short]=runs/s27/probe-start.json [short_start_streams]=runs/s27/probe.json
-                  [test_temperature_streams]=runs/s28/probe.json)
+                  [test_temperature_streams]=runs/s28/probe.json [label_run_streams]=runs/s29/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -233,7 +258,7 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [18]=naive_burn_in [19]=test_reward_streams [20]=six_label_streams
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
                          [24]=souped_streams [25]=summed_streams [26]=discovery_streams
-                         [27]=short_start_streams [28]=test_temperature_streams)
+                         [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -291,6 +316,16 @@ gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's 
     step "$3" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml --set "icrl_eval.seed=$seed" \
         --set "evaluate.adapter=$adapter" --set "evaluate.start_adapter=$start" --set "evaluate.strategies=[$strategy]" \
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
+}
+
+gate_naive_two_seeds() {  # gate_naive_two_seeds SETTING: its naive development gate at seeds 7 and 8 (addendum
+                         # 47), gate_naive_sSETTING.yaml; outputs artifacts/gate_naive_sSETTING[_seed8]
+    local seed
+    for seed in 7 8; do
+        step "gate N$1 seed $seed" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
+            -c "$E/gate_naive_s$1.yaml" --set "icrl_eval.seed=$seed" \
+            --set "evaluate.output_dir=artifacts/gate_naive_s$1$([[ $seed == 7 ]] || echo _seed$seed)" || return 1
+    done
 }
 
 gate_two_seeds() {  # gate_two_seeds SETTING: its development gate E at seeds 7 and 8 (addenda 36, 38), the
@@ -356,6 +391,18 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/test_temperature_streams.yaml
             gate_two_seeds 28 || exit 1
             probe artifacts/test_temperature_streams/adapter runs/s28/probe.json ;;
+        s29)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained label_run_streams || step s29 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml
+            [[ -f runs/s29/probe-banking77.json ]] || probe_banking77 artifacts/label_run_streams/adapter \
+                runs/s29/probe-banking77.json
+            [[ -f runs/s29/probe.json ]] || probe artifacts/label_run_streams/adapter runs/s29/probe.json
+            probe_check runs/s29/probe.json 0.10 29 || exit 0
+            gate_naive_two_seeds 29 || exit 1 ;;
+        probe-banking77-bootstrap)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;
         s[0-9][0-9]-gate2-*)
             setting_output "${target:1:2}" "$target" || exit 2
             gate2_part "${target:1:2}" "$output" "$target" || exit 1 ;;
@@ -473,7 +520,8 @@ for target in "$@"; do
                  "s22, s22-gate2-SEED-STRATEGY, s22-forgetting, s23, s23-gate2-SEED-STRATEGY, s23-forgetting," \
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
-                 "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting," \
+                 "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
+                 "s29-forgetting, probe-banking77-bootstrap," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -150,6 +150,18 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: lower(seven, 0.3), 8: lower(eight, 0.3)}, "28")["verdict"] == "passed"
     assert gate_e.seeds_decision({7: late({"999": 0.2}), 8: eight}, "28")["verdict"] == "failed"
     assert "level" not in gate_e.seeds_decision({7: seven, 8: eight}, "28")
+    # setting 29's gate N29 (addendum 47): naive runs, the late mean gain, each seed positive, mean >= 0.10
+
+    def naive(runs_of_seed: dict) -> dict:
+        return {name.replace("explorative", "naive"): run for name, run in runs_of_seed.items()}
+
+    assert gate_e.gate_strategy("29") == "naive"
+    assert gate_e.seeds_decision({7: naive(seven), 8: naive(eight)}, "29")["verdict"] == "failed"  # 0.08 < 0.10
+    ten = late({"499": 0.1, "749": 0.1, "999": 0.1})
+    assert gate_e.seeds_decision({7: naive(ten), 8: naive(ten)}, "29")["verdict"] == "passed"
+    assert gate_e.seeds_decision({7: ten, 8: ten}, "29")["verdict"] == "pending"  # explorative runs do not count
+    assert gate_e.seeds_decision({7: naive(late({"999": 0.5})), 8: naive(late({"999": -0.01}))},
+                                 "29")["verdict"] == "failed"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

@@ -69,6 +69,38 @@ def test_stream_task_follows_the_bootstrap_sampler(task):
     assert any(q.label != original[q.text] for t in permuted for q in t.queries)  # renamed in some group
 
 
+def test_label_runs_repeat_the_previous_gold_label_at_the_set_rate():
+    """ppo.stream.repeat_label orders a stream's queries in label runs: the share of queries with their
+    predecessor's label is p + (1 - p) x (chance of a uniform draw landing on it); 0 draws as before."""
+    import random as stdlib_random
+    from itertools import pairwise
+
+    from icrl_core.streams import label_run_picks
+    from icrl_core.task_data import Example
+
+    pool = [Example(f"q{i}", "abcd"[i % 4]) for i in range(400)]
+    picks = label_run_picks(pool, 200, stdlib_random.Random(0), 0.6)
+    assert len(set(picks)) == 200  # without replacement while the pool lasts
+    repeats = sum(pool[a].label == pool[b].label for a, b in pairwise(picks)) / 199
+    assert 0.6 + 0.4 * 0.25 - 0.1 < repeats < 0.6 + 0.4 * 0.25 + 0.1
+    uniform = label_run_picks(pool, 200, stdlib_random.Random(0), 0.0)
+    assert sum(pool[a].label == pool[b].label for a, b in pairwise(uniform)) / 199 < 0.4
+    assert label_run_picks(pool[:3], 5, stdlib_random.Random(0), 0.9)  # a pool smaller than the stream reuses
+
+    data = DataConfig(sources=[SyntheticSource(name="keyword_map")], labels_per_episode=3,
+                      labels_per_episode_min=2)
+    sources = resolve_sources(data, seed=0)
+    runs = [sample_stream_task(sources, data, 20, 0, f"g{i}", tests=4, repeat_label=0.9) for i in range(4)]
+    assert runs == [sample_stream_task(sources, data, 20, 0, f"g{i}", tests=4, repeat_label=0.9) for i in range(4)]
+    pairs = [(a.label, b.label) for t in runs for a, b in pairwise(t.queries)]
+    assert sum(a == b for a, b in pairs) / len(pairs) > 0.8
+    for t in runs:
+        assert len(t.queries) == 20 and len(t.tests) == 4
+        assert {q.label for q in t.tests + t.queries} <= set(t.labels)
+    assert sample_stream_task(sources, data, STEPS, 0, "group-0", repeat_label=0.0) == sample_stream_task(
+        sources, data, STEPS, 0, "group-0")
+
+
 def test_each_step_sees_the_harness_context_and_the_stream_is_one_sequence(policy, task, streams):
     tokens = policy.tokens
     for stream in streams:

@@ -395,7 +395,8 @@ def novel_steps(streams: Sequence[Stream], batch: StreamBatch) -> torch.Tensor:
 def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
     """Mean reward over all steps and over each half of the streams (the second half above the first: the
     policy learns within a stream), the answers' mean probability, how often an answer marked wrong is
-    followed by a different label (a policy that copies its last answer whatever the feedback says: 0) and how
+    followed by a different label (a policy that copies its last answer whatever the feedback says: 0) and one
+    marked right (a policy that reads the feedback switches less after right than after wrong), how
     often a step is a discovery (right, with a label no rewarded episode of its context holds) or could have been
     one (its gold label missing from its context's rewarded episodes)."""
     rewards = [r for s in streams for r in s.rewards]
@@ -404,6 +405,8 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
     second = [r for s in streams for r in s.rewards[half:]]
     switches = [s.steps[t + 1].record.prediction != s.steps[t].record.prediction
                 for s in streams for t in range(len(s.steps) - 1) if not s.steps[t].record.reward]
+    switches_after_right = [s.steps[t + 1].record.prediction != s.steps[t].record.prediction
+                            for s in streams for t in range(len(s.steps) - 1) if s.steps[t].record.reward]
     probs = [float(torch.tensor(step.logp).exp()) for s in streams for step in s.steps]
     tested = [s.test_value for s in streams if s.test_value is not None]
     return {
@@ -411,6 +414,8 @@ def stream_statistics(streams: Sequence[Stream]) -> dict[str, float]:
         "reward_first_half": sum(first) / max(len(first), 1),
         "reward_second_half": sum(second) / max(len(second), 1),
         "switch_after_wrong": sum(switches) / len(switches) if switches else float("nan"),
+        "switch_after_right": (sum(switches_after_right) / len(switches_after_right) if switches_after_right
+                               else float("nan")),
         "answer_prob": sum(probs) / len(probs),
         "novel_rate": sum(step.novel for s in streams for step in s.steps) / len(rewards),
         "gold_absent_rate": sum(step.gold_absent for s in streams for step in s.steps) / len(rewards),
@@ -429,7 +434,8 @@ def evaluate_streams(policy, sources, data: DataConfig, cfg: PPOConfig, seed: in
     return {"val_accuracy": stats["mean_reward"], "val_reward": stats["mean_reward"],
             "val_reward_first_half": stats["reward_first_half"],
             "val_reward_second_half": stats["reward_second_half"],
-            "val_switch_after_wrong": stats["switch_after_wrong"], "val_novel_rate": stats["novel_rate"],
+            "val_switch_after_wrong": stats["switch_after_wrong"],
+            "val_switch_after_right": stats["switch_after_right"], "val_novel_rate": stats["novel_rate"],
             "val_gold_absent_rate": stats["gold_absent_rate"],
             **({"val_test_value": stats["test_value"]} if "test_value" in stats else {})}
 

@@ -254,6 +254,7 @@ def test_stream_statistics_by_hand():
     assert stats["reward_first_half"] == 0.0 and stats["reward_second_half"] == 3 / 4
     # after a wrong answer: a0->a1 same, a1->a2 switch; b0->b1, b1->b2, b2->b3 same -> 1 / 5
     assert stats["switch_after_wrong"] == pytest.approx(1 / 5)
+    assert stats["switch_after_right"] == 1.0  # after a right answer: a2 -> a3 switches (b's right step is its last)
     assert stats["answer_prob"] == pytest.approx(0.5)
     assert stats["novel_rate"] == 1 / 8  # a's third step: right and flagged (a's fourth and b's fourth: t = 3)
     assert stats["gold_absent_rate"] == 6 / 8

@@ -178,6 +178,9 @@ def main() -> None:
                              "(forgetting.py writes it)")
     parser.add_argument("--ablation", action="append", default=[],
                         help="ARM=RUN_DIR:PROBE_JSON: an arm of the objective ablation (addendum 15)")
+    parser.add_argument("--training-task-probe", action="append", default=[],
+                        help="NAME=PROBE_JSON: the feedback probe on a training task (banking77, addendum 47) of "
+                             "a setting's adapter, or of the bootstrap's (NAME bootstrap)")
     args = parser.parse_args()
     results = read_results() if RESULTS.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
     if args.bootstrap_probe:
@@ -196,6 +199,14 @@ def main() -> None:
     for item in args.forgetting:
         name, path = item.split("=", 1)
         results["settings"][name]["forgetting"] = forgetting_row(Path(path))
+    for item in args.training_task_probe:
+        name, path = item.split("=", 1)
+        row = probe_row(Path(path))
+        row["gap"] = round(row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"], 4)
+        if name == "bootstrap":
+            results["bootstrap_probe_training_task"] = row
+        else:
+            results["settings"][name]["probe_training_task"] = row
     for item in args.ablation:
         arm, paths = item.split("=", 1)
         run_dir, probe = paths.split(":", 1)

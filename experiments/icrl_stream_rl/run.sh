@@ -65,6 +65,8 @@
 #                 1000 steps; its rule reads test steps 499-999)
 #   s29-gate2-SEED-STRATEGY, s29-forgetting  as for s15, for setting 29 (only if gate N29 passes)
 #   probe-banking77-bootstrap  the banking77 probe of the bootstrap adapter (setting 29's reported comparison)
+#   l48           addendum 48's learnability check: setting 29's RL on 2-label opaque-label streams in label runs
+#                 (p 0.9), 60 iterations, then check L48 (runs/l48/check.json) and both probes (reported)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -155,7 +157,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [six_label_streams]=runs/s20/probe.json [many_label_streams]=runs/s21/probe.json
                   [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json
                   [bootstrap_short]=runs/s27/probe-start.json [short_start_streams]=runs/s27/probe.json
-                  [test_temperature_streams]=runs/s28/probe.json [label_run_streams]=runs/s29/probe.json)
+                  [test_temperature_streams]=runs/s28/probe.json [label_run_streams]=runs/s29/probe.json
+                  [feedback_learnability]=runs/l48/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -349,7 +352,7 @@ trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by un
 }
 
 for target in "$@"; do
-    case "$target" in s[0-9][0-9]|s[0-9][0-9]-*|ablation-*|cd-*|final-*) unpark ;; esac
+    case "$target" in s[0-9][0-9]|s[0-9][0-9]-*|l[0-9][0-9]|ablation-*|cd-*|final-*) unpark ;; esac
     case "$target" in
         bootstrap)  # the recorded adapter when it verifies (adapters/bootstrap_h32/README.md), else trained
             for stage in build_dataset tokenize; do step "$stage" "$ICRL" stage "$stage" "${SKILL[@]}"; done
@@ -400,6 +403,14 @@ for target in "$@"; do
             [[ -f runs/s29/probe.json ]] || probe artifacts/label_run_streams/adapter runs/s29/probe.json
             probe_check runs/s29/probe.json 0.10 29 || exit 0
             gate_naive_two_seeds 29 || exit 1 ;;
+        l48)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained feedback_learnability || step l48 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/feedback_learnability.yaml
+            .venv/bin/python $E/check_learnability.py artifacts/feedback_learnability/evals.json runs/l48/check.json
+            [[ -f runs/l48/probe-banking77.json ]] || probe_banking77 artifacts/feedback_learnability/adapter \
+                runs/l48/probe-banking77.json
+            [[ -f runs/l48/probe.json ]] || probe artifacts/feedback_learnability/adapter runs/l48/probe.json ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;
@@ -521,7 +532,7 @@ for target in "$@"; do
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
-                 "s29-forgetting, probe-banking77-bootstrap," \
+                 "s29-forgetting, probe-banking77-bootstrap, l48," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

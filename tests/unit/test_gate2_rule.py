@@ -187,3 +187,21 @@ def test_a_part_collected_in_a_later_session_joins_the_kept_seed():
     assert set(again["runs"]) == {"trained-explorative", "start-naive", "trained-naive", "base-naive"}
     assert again["seconds"] == 150.0 and again["forgetting_drop"] == 0.02
     assert collect_gate2.merge_parts(again, finished)["seconds"] == 150.0  # collected twice: counted once
+
+
+def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_iteration_60():
+    """Addendum 48's check L48: after 60 iterations, switch after wrong - switch after right >= 0.30 and the
+    validation reward at least iteration 0's + 0.10; pending before iteration 60."""
+    spec = importlib.util.spec_from_file_location("check_learnability",
+                                                  ROOT / "experiments" / "icrl_stream_rl" / "check_learnability.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+
+    def record(step, reward, wrong, right):
+        return {"step": step, "val_reward": reward, "val_switch_after_wrong": wrong, "val_switch_after_right": right}
+
+    start = record(0, 0.50, 0.10, 0.10)
+    assert check.decision([start, record(60, 0.60, 0.50, 0.20)])["verdict"] == "passed"
+    assert check.decision([start, record(60, 0.59, 0.90, 0.05)])["verdict"] == "failed"  # reward short
+    assert check.decision([start, record(60, 0.90, 0.50, 0.21)])["verdict"] == "failed"  # contrast short
+    assert check.decision([start, record(50, 0.90, 0.90, 0.00)])["verdict"] == "pending"

@@ -1,5 +1,5 @@
-"""Addendum 48's check L48 (PREREGISTERED.md): can the stream RL teach reading the verdict where it is the only
-signal? Reads the ppo stage's evals.json and writes the decision:
+"""Addendum 48's check L48 and addendum 49's L49 (PREREGISTERED.md): can the stream RL teach reading the verdict
+where it is the only signal? Reads the ppo stage's evals.json and writes the decision:
 
     .venv/bin/python experiments/icrl_stream_rl/check_learnability.py \
         artifacts/feedback_learnability/evals.json runs/l48/check.json
@@ -46,7 +46,7 @@ def main() -> None:
     result = decision(json.loads(evals.read_text()))
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
-    print(f"== check L48: {result['verdict']}" + (f" (switch contrast {result['switch_contrast']:+.3f}, reward gain "
+    print(f"== check {output.parent.name.upper()}: {result['verdict']}" + (f" (switch contrast {result['switch_contrast']:+.3f}, reward gain "
                                                    f"{result['reward_gain']:+.3f})" if "reward_gain" in result else ""))
 
 

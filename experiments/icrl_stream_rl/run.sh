@@ -67,6 +67,7 @@
 #   probe-banking77-bootstrap  the banking77 probe of the bootstrap adapter (setting 29's reported comparison)
 #   l48           addendum 48's learnability check: setting 29's RL on 2-label opaque-label streams in label runs
 #                 (p 0.9), 60 iterations, then check L48 (runs/l48/check.json) and both probes (reported)
+#   l49           addendum 49's check L49: L48 at five times the learning rate (run only if L48 fails)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -158,7 +159,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [wide_group_streams]=runs/s22/probe.json [discovery_streams]=runs/s26/probe.json
                   [bootstrap_short]=runs/s27/probe-start.json [short_start_streams]=runs/s27/probe.json
                   [test_temperature_streams]=runs/s28/probe.json [label_run_streams]=runs/s29/probe.json
-                  [feedback_learnability]=runs/l48/probe.json)
+                  [feedback_learnability]=runs/l48/probe.json
+                  [feedback_learnability_lr]=runs/l49/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -411,6 +413,14 @@ for target in "$@"; do
             [[ -f runs/l48/probe-banking77.json ]] || probe_banking77 artifacts/feedback_learnability/adapter \
                 runs/l48/probe-banking77.json
             [[ -f runs/l48/probe.json ]] || probe artifacts/feedback_learnability/adapter runs/l48/probe.json ;;
+        l49)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained feedback_learnability_lr || step l49 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml
+            .venv/bin/python $E/check_learnability.py artifacts/feedback_learnability_lr/evals.json runs/l49/check.json
+            [[ -f runs/l49/probe-banking77.json ]] || probe_banking77 artifacts/feedback_learnability_lr/adapter \
+                runs/l49/probe-banking77.json
+            [[ -f runs/l49/probe.json ]] || probe artifacts/feedback_learnability_lr/adapter runs/l49/probe.json ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;
@@ -532,7 +542,7 @@ for target in "$@"; do
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
-                 "s29-forgetting, probe-banking77-bootstrap, l48," \
+                 "s29-forgetting, probe-banking77-bootstrap, l48, l49," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -4,12 +4,19 @@ where it is the only signal? Reads the ppo stage's evals.json and writes the dec
     .venv/bin/python experiments/icrl_stream_rl/check_learnability.py \
         artifacts/feedback_learnability/evals.json runs/l48/check.json
 
+and records a finished check in results.json (its decision, the training streams per block of 10 iterations, both
+probes of its adapter, wall time):
+
+    .venv/bin/python experiments/icrl_stream_rl/check_learnability.py --record L48 \
+        artifacts/feedback_learnability runs/l48
+
 Passed when, at the last pre-registered iteration (60), the validation streams' switch rate after a wrong answer
 minus their switch rate after a right answer is at least +0.30 and their reward at least iteration 0's + 0.10."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -41,7 +48,45 @@ def decision(evals: list[dict]) -> dict:
                                                    f"+{REWARD_GAIN} at iteration {ITERATIONS}", "curve": curve}
 
 
+def training_blocks(history: list[dict], size: int = 10) -> list[dict]:
+    """The training streams' reward, switch rates, KL and answer entropy averaged per block of `size` iterations
+    (an iteration without a wrong or right answer has no switch rate: NaN, left out), and the redrawn groups."""
+
+    def mean(rows: list[dict], key: str) -> float | None:
+        values = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+        return round(sum(values) / len(values), 4) if values else None
+
+    return [{"iterations": [rows[0]["step"], rows[-1]["step"]],
+             **{key: mean(rows, key) for key in ("mean_reward", "switch_after_wrong", "switch_after_right", "kl",
+                                                 "entropy")},
+             "redrawn_groups": int(sum(r["redrawn_groups"] for r in rows)),
+             "uniform_groups": int(sum(r["uniform_groups"] for r in rows))}
+            for rows in (history[i:i + size] for i in range(0, len(history), size))]
+
+
+def record(name: str, run_dir: Path, runs: Path) -> None:
+    """results.json's `learnability[name]`: the check, its training record and its adapter's two probes."""
+    from collect import probe_row, read_results, write_results
+
+    history = json.loads((run_dir / "history.json").read_text())
+    probes = {}
+    for key, file in (("trec_coarse", "probe.json"), ("banking77", "probe-banking77.json")):
+        measured = json.loads((runs / file).read_text())
+        probes[key] = {**probe_row(runs / file), "effect": {n: round(v, 4) for n, v in
+                                                             measured["feedback_effect"].items()}}
+    results = read_results()
+    results.setdefault("learnability", {})[name] = {
+        "run": str(run_dir), "check": decision(json.loads((run_dir / "evals.json").read_text())),
+        "training_blocks": training_blocks(history), "probes": probes,
+        "loop_minutes": round(sum(h["rollout_seconds"] + h["update_seconds"] for h in history) / 60, 1)}
+    write_results(results)
+    print(f"recorded {name}: {results['learnability'][name]['check']['verdict']}")
+
+
 def main() -> None:
+    if sys.argv[1] == "--record":
+        record(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
+        return
     evals, output = Path(sys.argv[1]), Path(sys.argv[2])
     result = decision(json.loads(evals.read_text()))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -205,3 +205,18 @@ def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_ite
     assert check.decision([start, record(60, 0.59, 0.90, 0.05)])["verdict"] == "failed"  # reward short
     assert check.decision([start, record(60, 0.90, 0.50, 0.21)])["verdict"] == "failed"  # contrast short
     assert check.decision([start, record(50, 0.90, 0.90, 0.00)])["verdict"] == "pending"
+
+
+def test_learnability_training_blocks_average_per_ten_iterations_and_skip_missing_switch_rates():
+    """check_learnability.py's training record: a block's switch rate leaves out iterations that had none (NaN)."""
+    spec = importlib.util.spec_from_file_location("check_learnability",
+                                                  ROOT / "experiments" / "icrl_stream_rl" / "check_learnability.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    history = [{"step": i + 1, "mean_reward": 0.5, "switch_after_wrong": float("nan") if i == 0 else 0.2,
+                "switch_after_right": 0.1, "kl": 1.0, "entropy": 0.3, "redrawn_groups": 1.0, "uniform_groups": 0.0}
+               for i in range(12)]
+    blocks = check.training_blocks(history)
+    assert [b["iterations"] for b in blocks] == [[1, 10], [11, 12]]
+    assert blocks[0]["switch_after_wrong"] == 0.2 and blocks[0]["redrawn_groups"] == 10
+    assert blocks[1]["redrawn_groups"] == 2 and blocks[1]["mean_reward"] == 0.5

@@ -30,7 +30,7 @@ REWARD_GAIN = 0.10
 
 
 def decision(evals: list[dict]) -> dict:
-    """The L48 verdict from a run's validation records (one per evaluation, `step` = iteration): pending until
+    """A learnability check's verdict from a run's validation records (one per evaluation, `step` = iteration): pending until
     iteration 60 is there."""
     by_step = {e["step"]: e for e in evals}
     curve = [{"iteration": e["step"], "val_reward": round(e["val_reward"], 4),
@@ -65,20 +65,19 @@ def training_blocks(history: list[dict], size: int = 10) -> list[dict]:
 
 
 def record(name: str, run_dir: Path, runs: Path) -> None:
-    """results.json's `learnability[name]`: the check, its training record and its adapter's two probes."""
-    from collect import probe_row, read_results, write_results
+    """results.json's `learnability[name]`: the check, its training record, its compute (collect.compute) and its
+    adapter's two probes (collect.probe_row, with the probe's own feedback effects)."""
+    from collect import compute, probe_row, read_results, write_results
 
-    history = json.loads((run_dir / "history.json").read_text())
     probes = {}
     for key, file in (("trec_coarse", "probe.json"), ("banking77", "probe-banking77.json")):
-        measured = json.loads((runs / file).read_text())
-        probes[key] = {**probe_row(runs / file), "effect": {n: round(v, 4) for n, v in
-                                                             measured["feedback_effect"].items()}}
+        effect = json.loads((runs / file).read_text())["feedback_effect"]
+        probes[key] = {**probe_row(runs / file), "effect": {n: round(v, 4) for n, v in effect.items()}}
     results = read_results()
     results.setdefault("learnability", {})[name] = {
         "run": str(run_dir), "check": decision(json.loads((run_dir / "evals.json").read_text())),
-        "training_blocks": training_blocks(history), "probes": probes,
-        "loop_minutes": round(sum(h["rollout_seconds"] + h["update_seconds"] for h in history) / 60, 1)}
+        "training_blocks": training_blocks(json.loads((run_dir / "history.json").read_text())), "probes": probes,
+        "compute": compute(run_dir)}
     write_results(results)
     print(f"recorded {name}: {results['learnability'][name]['check']['verdict']}")
 
@@ -91,8 +90,9 @@ def main() -> None:
     result = decision(json.loads(evals.read_text()))
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
-    print(f"== check {output.parent.name.upper()}: {result['verdict']}" + (f" (switch contrast {result['switch_contrast']:+.3f}, reward gain "
-                                                   f"{result['reward_gain']:+.3f})" if "reward_gain" in result else ""))
+    numbers = (f" (switch contrast {result['switch_contrast']:+.3f}, reward gain {result['reward_gain']:+.3f})"
+               if "reward_gain" in result else "")
+    print(f"== check {output.parent.name.upper()}: {result['verdict']}{numbers}")
 
 
 if __name__ == "__main__":

@@ -343,6 +343,18 @@ gate_two_seeds() {  # gate_two_seeds SETTING: its development gate E at seeds 7 
     done
 }
 
+learnability_check() {  # learnability_check TARGET OUTPUT_DIR CONFIG_ARGS...: addenda 48-49's checks: the ppo
+                        # stage from the H32 bootstrap, the check's decision (runs/TARGET/check.json), both probes
+    local target=$1 output=$2
+    shift 2
+    restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+    trained "$output" || step "$target" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml "$@"
+    .venv/bin/python $E/check_learnability.py "artifacts/$output/evals.json" "runs/$target/check.json"
+    [[ -f runs/$target/probe-banking77.json ]] || probe_banking77 "artifacts/$output/adapter" \
+        "runs/$target/probe-banking77.json"
+    [[ -f runs/$target/probe.json ]] || probe "artifacts/$output/adapter" "runs/$target/probe.json"
+}
+
 trained() {  # trained OUTPUT_DIR: its adapter is there (trained, restored by unpark, or the copy kept in
             # adapters/OUTPUT_DIR restored now unless RETRAIN=1), so no training again
     if [[ ! -f artifacts/$1/adapter/adapter_model.safetensors && -f $E/adapters/$1/SHA256SUMS && ${RETRAIN:-0} != 1 ]]
@@ -406,21 +418,10 @@ for target in "$@"; do
             probe_check runs/s29/probe.json 0.10 29 || exit 0
             gate_naive_two_seeds 29 || exit 1 ;;
         l48)
-            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
-            trained feedback_learnability || step l48 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
-                -c $E/feedback_learnability.yaml
-            .venv/bin/python $E/check_learnability.py artifacts/feedback_learnability/evals.json runs/l48/check.json
-            [[ -f runs/l48/probe-banking77.json ]] || probe_banking77 artifacts/feedback_learnability/adapter \
-                runs/l48/probe-banking77.json
-            [[ -f runs/l48/probe.json ]] || probe artifacts/feedback_learnability/adapter runs/l48/probe.json ;;
+            learnability_check l48 feedback_learnability -c $E/feedback_learnability.yaml ;;
         l49)
-            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
-            trained feedback_learnability_lr || step l49 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
-                -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml
-            .venv/bin/python $E/check_learnability.py artifacts/feedback_learnability_lr/evals.json runs/l49/check.json
-            [[ -f runs/l49/probe-banking77.json ]] || probe_banking77 artifacts/feedback_learnability_lr/adapter \
-                runs/l49/probe-banking77.json
-            [[ -f runs/l49/probe.json ]] || probe artifacts/feedback_learnability_lr/adapter runs/l49/probe.json ;;
+            learnability_check l49 feedback_learnability_lr -c $E/feedback_learnability.yaml \
+                -c $E/feedback_learnability_lr.yaml ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;

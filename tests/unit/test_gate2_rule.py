@@ -189,13 +189,18 @@ def test_a_part_collected_in_a_later_session_joins_the_kept_seed():
     assert collect_gate2.merge_parts(again, finished)["seconds"] == 150.0  # collected twice: counted once
 
 
-def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_iteration_60():
-    """Addendum 48's check L48: after 60 iterations, switch after wrong - switch after right >= 0.30 and the
-    validation reward at least iteration 0's + 0.10; pending before iteration 60."""
+def _check_learnability():
     spec = importlib.util.spec_from_file_location("check_learnability",
                                                   ROOT / "experiments" / "icrl_stream_rl" / "check_learnability.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
+    return check
+
+
+def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_iteration_60():
+    """Addendum 48's check L48: after 60 iterations, switch after wrong - switch after right >= 0.30 and the
+    validation reward at least iteration 0's + 0.10; pending before iteration 60."""
+    check = _check_learnability()
 
     def record(step, reward, wrong, right):
         return {"step": step, "val_reward": reward, "val_switch_after_wrong": wrong, "val_switch_after_right": right}
@@ -209,10 +214,7 @@ def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_ite
 
 def test_learnability_training_blocks_average_per_ten_iterations_and_skip_missing_switch_rates():
     """check_learnability.py's training record: a block's switch rate leaves out iterations that had none (NaN)."""
-    spec = importlib.util.spec_from_file_location("check_learnability",
-                                                  ROOT / "experiments" / "icrl_stream_rl" / "check_learnability.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = _check_learnability()
     history = [{"step": i + 1, "mean_reward": 0.5, "switch_after_wrong": float("nan") if i == 0 else 0.2,
                 "switch_after_right": 0.1, "kl": 1.0, "entropy": 0.3, "redrawn_groups": 1.0, "uniform_groups": 0.0}
                for i in range(12)]

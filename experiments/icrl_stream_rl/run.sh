@@ -68,6 +68,9 @@
 #   s30           setting 30 (addendum 50): setting 29's streams from check L49's adapter at its learning rate
 #                 (5e-4), 30 iterations, then its probes, check P30 (as P29) and gate N30 at seeds 7 and 8
 #   s30-gate2-SEED-STRATEGY, s30-forgetting  as for s15, for setting 30 (only if gate N30 passes)
+#   s31           setting 31 (addendum 51): setting 29 exactly at learning rate 5e-4, then its probes, check P31
+#                 (as P29) and gate N31 at seeds 7 and 8
+#   s31-gate2-SEED-STRATEGY, s31-forgetting  as for s15, for setting 31 (only if gate N31 passes)
 #   l48           addendum 48's learnability check: setting 29's RL on 2-label opaque-label streams in label runs
 #                 (p 0.9), 60 iterations, then check L48 (runs/l48/check.json) and both probes (reported)
 #   l49           addendum 49's check L49: L48 at five times the learning rate (run only if L48 fails)
@@ -164,7 +167,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [test_temperature_streams]=runs/s28/probe.json [label_run_streams]=runs/s29/probe.json
                   [feedback_learnability]=runs/l48/probe.json
                   [feedback_learnability_lr]=runs/l49/probe.json
-                  [carry_verdict_streams]=runs/s30/probe.json)
+                  [carry_verdict_streams]=runs/s30/probe.json
+                  [label_run_streams_lr]=runs/s31/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -268,7 +272,7 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
                          [24]=souped_streams [25]=summed_streams [26]=discovery_streams
                          [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams
-                         [30]=carry_verdict_streams)
+                         [30]=carry_verdict_streams [31]=label_run_streams_lr)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -432,6 +436,15 @@ for target in "$@"; do
             [[ -f runs/s30/probe.json ]] || probe artifacts/carry_verdict_streams/adapter runs/s30/probe.json
             probe_check runs/s30/probe.json 0.10 30 || exit 0
             gate_naive_two_seeds 30 || exit 1 ;;
+        s31)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained label_run_streams_lr || step s31 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml -c $E/label_run_streams_lr.yaml
+            [[ -f runs/s31/probe-banking77.json ]] || probe_banking77 artifacts/label_run_streams_lr/adapter \
+                runs/s31/probe-banking77.json
+            [[ -f runs/s31/probe.json ]] || probe artifacts/label_run_streams_lr/adapter runs/s31/probe.json
+            probe_check runs/s31/probe.json 0.10 31 || exit 0
+            gate_naive_two_seeds 31 || exit 1 ;;
         l48)
             learnability_check l48 feedback_learnability -c $E/feedback_learnability.yaml ;;
         l49)
@@ -558,7 +571,8 @@ for target in "$@"; do
                  "s24, s24-gate2-SEED-STRATEGY, s24-forgetting, s25, s25-gate2-SEED-STRATEGY, s25-forgetting," \
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
-                 "s29-forgetting, s30, s30-gate2-SEED-STRATEGY, s30-forgetting, probe-banking77-bootstrap, l48, l49," \
+                 "s29-forgetting, s30, s30-gate2-SEED-STRATEGY, s30-forgetting, s31, s31-gate2-SEED-STRATEGY," \
+                 "s31-forgetting, probe-banking77-bootstrap, l48, l49," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

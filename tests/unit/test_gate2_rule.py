@@ -162,10 +162,11 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: ten, 8: ten}, "29")["verdict"] == "pending"  # explorative runs do not count
     assert gate_e.seeds_decision({7: naive(late({"999": 0.5})), 8: naive(late({"999": -0.01}))},
                                  "29")["verdict"] == "failed"
-    # setting 30's gate N30 (addendum 50): gate N29's rule
-    assert gate_e.gate_strategy("30") == "naive"
-    assert gate_e.seeds_decision({7: naive(seven), 8: naive(eight)}, "30")["verdict"] == "failed"
-    assert gate_e.seeds_decision({7: naive(ten), 8: naive(ten)}, "30")["verdict"] == "passed"
+    # settings 30's and 31's gates N30, N31 (addenda 50, 51): gate N29's rule
+    for setting in ("30", "31"):
+        assert gate_e.gate_strategy(setting) == "naive"
+        assert gate_e.seeds_decision({7: naive(seven), 8: naive(eight)}, setting)["verdict"] == "failed"
+        assert gate_e.seeds_decision({7: naive(ten), 8: naive(ten)}, setting)["verdict"] == "passed"
 
 
 def test_a_seed_run_in_parts_is_one_seed():

@@ -352,6 +352,19 @@ gate_two_seeds() {  # gate_two_seeds SETTING: its development gate E at seeds 7 
     done
 }
 
+naive_gated_setting() {  # naive_gated_setting SETTING OUTPUT_DIR CONFIG_ARGS...: addenda 47, 50, 51: the ppo stage
+                         # (after stream_rl.yaml), both probes, check P (the trec_coarse probe's n=1 feedback effect
+                         # >= +0.10, else the setting stops here), then gate N at seeds 7 and 8
+    local setting=$1 output=$2
+    shift 2
+    trained "$output" || step "s$setting" "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml "$@"
+    [[ -f runs/s$setting/probe-banking77.json ]] || probe_banking77 "artifacts/$output/adapter" \
+        "runs/s$setting/probe-banking77.json"
+    [[ -f runs/s$setting/probe.json ]] || probe "artifacts/$output/adapter" "runs/s$setting/probe.json"
+    probe_check "runs/s$setting/probe.json" 0.10 "$setting" || exit 0
+    gate_naive_two_seeds "$setting" || exit 1
+}
+
 learnability_check() {  # learnability_check TARGET OUTPUT_DIR CONFIG_ARGS...: addenda 48-49's checks: the ppo
                         # stage from the H32 bootstrap, the check's decision (runs/TARGET/check.json), both probes
     local target=$1 output=$2
@@ -419,32 +432,17 @@ for target in "$@"; do
             probe artifacts/test_temperature_streams/adapter runs/s28/probe.json ;;
         s29)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
-            trained label_run_streams || step s29 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
-                -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml
-            [[ -f runs/s29/probe-banking77.json ]] || probe_banking77 artifacts/label_run_streams/adapter \
-                runs/s29/probe-banking77.json
-            [[ -f runs/s29/probe.json ]] || probe artifacts/label_run_streams/adapter runs/s29/probe.json
-            probe_check runs/s29/probe.json 0.10 29 || exit 0
-            gate_naive_two_seeds 29 || exit 1 ;;
+            naive_gated_setting 29 label_run_streams -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml ;;
         s30)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
-            trained feedback_learnability_lr || { echo "run.sh s30: run l49 first (artifacts/feedback_learnability_lr)" >&2; exit 2; }
-            trained carry_verdict_streams || step s30 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
-                -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml -c $E/carry_verdict_streams.yaml
-            [[ -f runs/s30/probe-banking77.json ]] || probe_banking77 artifacts/carry_verdict_streams/adapter \
-                runs/s30/probe-banking77.json
-            [[ -f runs/s30/probe.json ]] || probe artifacts/carry_verdict_streams/adapter runs/s30/probe.json
-            probe_check runs/s30/probe.json 0.10 30 || exit 0
-            gate_naive_two_seeds 30 || exit 1 ;;
+            trained feedback_learnability_lr ||
+                { echo "run.sh s30: run l49 first (artifacts/feedback_learnability_lr)" >&2; exit 2; }
+            naive_gated_setting 30 carry_verdict_streams -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml \
+                -c $E/carry_verdict_streams.yaml ;;
         s31)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
-            trained label_run_streams_lr || step s31 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
-                -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml -c $E/label_run_streams_lr.yaml
-            [[ -f runs/s31/probe-banking77.json ]] || probe_banking77 artifacts/label_run_streams_lr/adapter \
-                runs/s31/probe-banking77.json
-            [[ -f runs/s31/probe.json ]] || probe artifacts/label_run_streams_lr/adapter runs/s31/probe.json
-            probe_check runs/s31/probe.json 0.10 31 || exit 0
-            gate_naive_two_seeds 31 || exit 1 ;;
+            naive_gated_setting 31 label_run_streams_lr -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml \
+                -c $E/label_run_streams_lr.yaml ;;
         l48)
             learnability_check l48 feedback_learnability -c $E/feedback_learnability.yaml ;;
         l49)

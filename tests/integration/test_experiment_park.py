@@ -365,3 +365,37 @@ def test_setting_25_adds_settings_16s_and_21s_steps_to_the_bootstrap_then_runs_i
     assert "artifacts/summed_streams/adapter" in probe and "runs/s25/probe.json" in probe
     _run(project, "s25-gate2-101-explorative")
     assert _calls(project)[-1].endswith("evaluate.output_dir=artifacts/gate2_s25/seed101-explorative")
+
+
+def _probes(project: Path, setting: str, effect: float) -> None:
+    """A setting's two probe outputs, already written (so run.sh does not probe again), with this n=1 effect."""
+    runs = project / "runs" / f"s{setting}"
+    runs.mkdir(parents=True)
+    for name in ("probe.json", "probe-banking77.json"):
+        (runs / name).write_text(json.dumps({"feedback_effect": {"1": effect, "4": 0.0}}))
+
+
+def test_a_naive_gated_setting_runs_gate_n_on_both_seeds_only_after_its_probe_check_passes(project):
+    _kept(project, "bootstrap_h32")
+    _probes(project, "31", 0.12)
+    result = _run(project, "s31")
+    train, seed7, seed8 = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith("-c experiments/icrl_stream_rl/label_run_streams.yaml "
+                                                              "-c experiments/icrl_stream_rl/label_run_streams_lr.yaml")
+    for seed, call, suffix in ((7, seed7, ""), (8, seed8, "_seed8")):
+        assert "gate_naive_s31.yaml" in call and f"icrl_eval.seed={seed}" in call
+        assert call.endswith(f"evaluate.output_dir=artifacts/gate_naive_s31{suffix}")
+    assert "check P31: n=1 feedback effect +0.120" in result.stdout
+
+
+def test_a_naive_gated_setting_stops_at_a_failed_probe_check_and_setting_30_needs_l49s_adapter(project):
+    _kept(project, "bootstrap_h32")
+    _probes(project, "30", 0.036)
+    missing = subprocess.run(["bash", str(project / SCRIPT), "s30"], cwd=project, capture_output=True, text=True,
+                             check=False, timeout=60)
+    assert missing.returncode == 2 and "run l49 first" in missing.stderr
+    _kept(project, "feedback_learnability_lr")
+    result = _run(project, "s30")
+    (train,) = _calls(project)  # trained, then stopped at check P30: no gate run
+    assert "-c experiments/icrl_stream_rl/carry_verdict_streams.yaml" in train
+    assert "check P30: n=1 feedback effect +0.036" in result.stdout and "failed" in result.stdout

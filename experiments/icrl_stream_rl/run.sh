@@ -71,6 +71,8 @@
 #   s31           setting 31 (addendum 51): setting 29 exactly at learning rate 5e-4, then its probes, check P31
 #                 (as P29) and gate N31 at seeds 7 and 8
 #   s31-gate2-SEED-STRATEGY, s31-forgetting  as for s15, for setting 31 (only if gate N31 passes)
+#   s32           setting 32 (addendum 52): no training; gate N32 at seeds 7 and 8 on check L49's kept adapter
+#   s32-gate2-SEED-STRATEGY, s32-forgetting  as for s15, for setting 32 (only if gate N32 passes)
 #   l48           addendum 48's learnability check: setting 29's RL on 2-label opaque-label streams in label runs
 #                 (p 0.9), 60 iterations, then check L48 (runs/l48/check.json) and both probes (reported)
 #   l49           addendum 49's check L49: L48 at five times the learning rate (run only if L48 fails)
@@ -272,7 +274,8 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [21]=many_label_streams [22]=wide_group_streams [23]=extrapolated_streams
                          [24]=souped_streams [25]=summed_streams [26]=discovery_streams
                          [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams
-                         [30]=carry_verdict_streams [31]=label_run_streams_lr)
+                         [30]=carry_verdict_streams [31]=label_run_streams_lr
+                         [32]=feedback_learnability_lr)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -443,6 +446,11 @@ for target in "$@"; do
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             naive_gated_setting 31 label_run_streams_lr -c $E/naive_burn_in.yaml -c $E/label_run_streams.yaml \
                 -c $E/label_run_streams_lr.yaml ;;
+        s32)  # addendum 52: no training, gate N on check L49's kept adapter as it is (its check P: L49's probe)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained feedback_learnability_lr ||
+                { echo "run.sh s32: run l49 first (artifacts/feedback_learnability_lr)" >&2; exit 2; }
+            gate_naive_two_seeds 32 || exit 1 ;;
         l48)
             learnability_check l48 feedback_learnability -c $E/feedback_learnability.yaml ;;
         l49)
@@ -570,7 +578,7 @@ for target in "$@"; do
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
                  "s29-forgetting, s30, s30-gate2-SEED-STRATEGY, s30-forgetting, s31, s31-gate2-SEED-STRATEGY," \
-                 "s31-forgetting, probe-banking77-bootstrap, l48, l49," \
+                 "s31-forgetting, s32, s32-gate2-SEED-STRATEGY, s32-forgetting, probe-banking77-bootstrap, l48, l49," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

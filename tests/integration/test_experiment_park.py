@@ -399,3 +399,18 @@ def test_a_naive_gated_setting_stops_at_a_failed_probe_check_and_setting_30_need
     (train,) = _calls(project)  # trained, then stopped at check P30: no gate run
     assert "-c experiments/icrl_stream_rl/carry_verdict_streams.yaml" in train
     assert "check P30: n=1 feedback effect +0.036" in result.stdout and "failed" in result.stdout
+
+
+def test_setting_32_runs_gate_n_on_l49s_kept_adapter_without_training(project):
+    _kept(project, "bootstrap_h32")
+    missing = subprocess.run(["bash", str(project / SCRIPT), "s32"], cwd=project, capture_output=True, text=True,
+                             check=False, timeout=60)
+    assert missing.returncode == 2 and "run l49 first" in missing.stderr
+    _kept(project, "feedback_learnability_lr")
+    _run(project, "s32")
+    seed7, seed8 = _calls(project)  # no ppo stage, no probe: L49's own probe is its check P
+    for seed, call, suffix in ((7, seed7, ""), (8, seed8, "_seed8")):
+        assert call.startswith("stage evaluate ") and "gate_naive_s32.yaml" in call
+        assert call.endswith(f"--set icrl_eval.seed={seed} --set evaluate.output_dir=artifacts/gate_naive_s32{suffix}")
+    _run(project, "s32-gate2-100-naive")
+    assert "evaluate.adapter=artifacts/feedback_learnability_lr/adapter" in _calls(project)[-1]

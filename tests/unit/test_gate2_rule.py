@@ -162,8 +162,8 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: ten, 8: ten}, "29")["verdict"] == "pending"  # explorative runs do not count
     assert gate_e.seeds_decision({7: naive(late({"999": 0.5})), 8: naive(late({"999": -0.01}))},
                                  "29")["verdict"] == "failed"
-    # settings 30's and 31's gates N30, N31 (addenda 50, 51): gate N29's rule
-    for setting in ("30", "31"):
+    # settings 30-32's gates N30, N31, N32 (addenda 50-52): gate N29's rule
+    for setting in ("30", "31", "32"):
         assert gate_e.gate_strategy(setting) == "naive"
         assert gate_e.seeds_decision({7: naive(seven), 8: naive(eight)}, setting)["verdict"] == "failed"
         assert gate_e.seeds_decision({7: naive(ten), 8: naive(ten)}, setting)["verdict"] == "passed"

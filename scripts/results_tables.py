@@ -555,6 +555,12 @@ def stream_rl_gate() -> str:
     def gold(probe: dict) -> str:  # p(gold label): no context -> after 1 attempt marked wrong
         return f"{probe['p_gold']['n0']:.3f} -> {probe['p_gold']['n1_wrong']:.3f}"
 
+    def verdict(s: dict) -> str:  # gate 1's, or the probe check's that replaced it (settings 29-31)
+        if "check_p" in s:
+            return (f"check P (>= {s['check_p']['least_effect']:+.2f}) "
+                    f"{'passed' if s['check_p']['passed'] else 'failed'}")
+        return "passed" if s["gate1_passed"] else "failed"
+
     rows = [["bootstrap (start)", *(_fmt(boot["p_target"][c]) for c in contexts), gold(boot), "", "", ""]]
     loss_names = {"dpo": "DPO", "contrast": "contrast loss", "rank": "rank loss", "rank_contrast": "rank + contrast loss"}
     for name, s in results["settings"].items():  # in setting order (collect.py writes them so)
@@ -573,7 +579,7 @@ def stream_rl_gate() -> str:
         if "gap_ci95" in s["probe"]:  # 95% paired bootstrap interval over the probe's queries
             gap += " [" + ", ".join(_signed(x) for x in s["probe"]["gap_ci95"]) + "]"
         rows.append([f"setting {name} ({label})", *(_fmt(s["probe"]["p_target"][c]) for c in contexts),
-                     gold(s["probe"]), gap, "passed" if s["gate1_passed"] else "failed", stream])
+                     gold(s["probe"]), gap, verdict(s), stream])
     return (_table([f"p(`{boot['target']}`) on {boot['task']}", "no context", "1 attempt marked wrong",
                     "1 marked right", "4 marked wrong", "4 marked right",
                     "p(gold): no context -> 1 marked wrong", "right - wrong (n=1)",

@@ -43,6 +43,9 @@ def write_results(results: dict) -> None:
 
 
 GATE_MARGIN = 0.2
+# setting -> the least n=1 feedback effect of the probe check that decided it in place of gate 1 (check P, addenda
+# 47, 50, 51): its row records `check_p` and no gate-1 verdict, so one number is not read against two thresholds
+CHECK_P = {"29": 0.10, "30": 0.10, "31": 0.10}
 CONTEXTS = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
 
 
@@ -77,16 +80,27 @@ def validation(run_dir: Path) -> tuple[int, dict]:
     return metrics["step"], {key: [metrics[f"{name}_before"], metrics[name]] for key, name in pairs.items()}
 
 
-def setting_row(run_dir: Path, probe: Path, description: str | None = None, loss: str | None = None) -> dict:
+def setting_row(run_dir: Path, probe: Path, description: str | None = None, loss: str | None = None,
+                check_p: float | None = None) -> dict:
+    """A setting's probe and validation; its verdict is gate 1's (`gate1_passed`, the n=1 effect >= GATE_MARGIN)
+    or, with `check_p`, the probe check's (`check_p`: the effect >= check_p)."""
     iterations, values = validation(run_dir)
     if loss in ("rank", "rank_contrast") and "val_hindsight_margin" in values:
         # the rank loss logs beta x the margin per pair; a couple's contrast m is the sum of its two pairs' margins
         values["val_hindsight_margin"] = [2 * x for x in values["val_hindsight_margin"]]
     row = probe_row(probe)
     gap = row["p_target"]["n1_right"] - row["p_target"]["n1_wrong"]
+    verdict = ({"gate1_passed": gap >= GATE_MARGIN} if check_p is None
+               else {"check_p": {"least_effect": check_p, "passed": gap >= check_p}})
     return {"run": description or str(run_dir), "iterations": iterations, "validation_training_tasks": values,
-            "probe": row, "gate1_gap": round(gap, 4), "gate1_passed": gap >= GATE_MARGIN,
-            **({"hindsight_loss": loss} if loss else {})}
+            "probe": row, "gate1_gap": round(gap, 4), **verdict, **({"hindsight_loss": loss} if loss else {})}
+
+
+def verdict(row: dict) -> str:
+    """A setting's or arm's probe verdict: `check P (>= +0.10) failed` or `gate 1 passed`."""
+    if "check_p" in row:
+        return f"check P (>= {row['check_p']['least_effect']:+.2f}) {'passed' if row['check_p']['passed'] else 'failed'}"
+    return f"gate 1 {'passed' if row['gate1_passed'] else 'failed'}"
 
 
 def curve(run_dir: Path) -> list[dict]:
@@ -191,8 +205,10 @@ def main() -> None:
         name, paths = item.split("=", 1)
         run_dir, probe = paths.split(":", 1)
         # keys added by hand (wall, intermediate validations) survive a re-collect
-        results["settings"][name] = {**results["settings"].get(name, {}),
-                                     **setting_row(Path(run_dir), Path(probe), descriptions.get(name), losses.get(name))}
+        kept = {key: value for key, value in results["settings"].get(name, {}).items()
+                if key not in ("gate1_passed", "check_p")}  # the verdict is the new row's alone
+        results["settings"][name] = {**kept, **setting_row(Path(run_dir), Path(probe), descriptions.get(name),
+                                                           losses.get(name), CHECK_P.get(name))}
     for item in args.lineage:
         name, text = item.split("=", 1)
         results["settings"][name]["lineage"] = text
@@ -217,9 +233,9 @@ def main() -> None:
     results["settings"] = dict(sorted(results["settings"].items(), key=lambda item: setting_order(item[0])))
     write_results(results)
     for name, s in results["settings"].items():
-        print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> gate 1 {'passed' if s['gate1_passed'] else 'failed'}")
+        print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> {verdict(s)}")
     for arm, a in results.get("ablation", {}).items():
-        print(f"ablation {arm}: gap {a['gate1_gap']:+.3f} -> gate 1 {'passed' if a['gate1_passed'] else 'failed'}")
+        print(f"ablation {arm}: gap {a['gate1_gap']:+.3f} -> {verdict(a)}")
 
 
 if __name__ == "__main__":

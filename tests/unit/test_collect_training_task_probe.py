@@ -42,3 +42,25 @@ def test_training_task_probe_is_recorded_per_setting_and_for_the_bootstrap(tmp_p
     row = written["settings"]["29"]["probe_training_task"]
     assert row["task"] == "banking77" and row["p_target"]["n1_wrong"] == 0.081 and row["gap"] == -0.005
     assert written["settings"]["29"]["gate1_gap"] == -0.005  # the trec_coarse gate-1 numbers are left alone
+
+
+def test_a_setting_decided_by_its_probe_check_records_check_p_not_a_gate_1_verdict(tmp_path, monkeypatch, capsys):
+    """Settings 29-31 were decided by check P (n=1 effect >= +0.10), not gate 1 (>= 0.2): a re-collect replaces a
+    recorded gate-1 verdict with the check's, and keeps other hand-added keys."""
+    collect = _collect()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"iterations": 40}))
+    (run / "evals.json").write_text(json.dumps([{"val_reward": 0.3, "val_switch_after_wrong": 0.1},
+                                                {"val_reward": 0.4, "val_switch_after_wrong": 0.5}]))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"gate1_margin": 0.2, "settings": {"31": {"gate1_passed": False, "wall": 1}}}))
+    monkeypatch.setattr(collect, "RESULTS", results)
+    probe = _probe(tmp_path / "p.json", 0.80, 0.95, task="trec_coarse")
+    monkeypatch.setattr(sys, "argv", ["collect.py", "--setting", f"31={run}:{probe}", "--setting", f"28={run}:{probe}"])
+    collect.main()
+    written = json.loads(results.read_text())["settings"]
+    assert written["31"]["check_p"] == {"least_effect": 0.10, "passed": True} and "gate1_passed" not in written["31"]
+    assert written["31"]["wall"] == 1 and written["31"]["gate1_gap"] == 0.15
+    assert written["28"]["gate1_passed"] is False and "check_p" not in written["28"]  # gate 1's 0.2 for the others
+    assert "setting 31: gap +0.150 -> check P (>= +0.10) passed" in capsys.readouterr().out

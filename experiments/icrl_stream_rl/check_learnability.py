@@ -11,7 +11,9 @@ probes of its adapter, wall time):
         artifacts/feedback_learnability runs/l48
 
 Passed when, at the last pre-registered iteration (60), the validation streams' switch rate after a wrong answer
-minus their switch rate after a right answer is at least +0.30 and their reward at least iteration 0's + 0.10."""
+minus their switch rate after a right answer is at least +0.30 and their reward at least iteration 0's + 0.10.
+Check L50 (addendum 53) draws a stream's queries independently, where switching after "wrong" earns nothing: its
+rule is the reward gain alone (RULES, keyed by the check's runs folder name)."""
 
 from __future__ import annotations
 
@@ -27,25 +29,39 @@ from icrl_core.io import atomic_write_text
 ITERATIONS = 60
 SWITCH_CONTRAST = 0.30
 REWARD_GAIN = 0.10
+# check (its runs folder) -> (least switch contrast or None: not a term, least reward gain) at iteration 60
+RULES = {"l48": (SWITCH_CONTRAST, REWARD_GAIN), "l49": (SWITCH_CONTRAST, REWARD_GAIN), "l50": (None, REWARD_GAIN)}
 
 
-def decision(evals: list[dict]) -> dict:
-    """A learnability check's verdict from a run's validation records (one per evaluation, `step` = iteration): pending until
-    iteration 60 is there."""
+def decision(evals: list[dict], switch_contrast: float | None = SWITCH_CONTRAST,
+             reward_gain: float = REWARD_GAIN) -> dict:
+    """A learnability check's verdict from a run's validation records (one per evaluation, `step` = iteration): pending
+    until iteration 60 is there. Passed when the reward gain over iteration 0 is at least `reward_gain` and, unless
+    `switch_contrast` is None, switch after wrong - switch after right at least `switch_contrast`."""
     by_step = {e["step"]: e for e in evals}
+    halves = ("val_reward_first_half", "val_reward_second_half")  # the streams' first and second half of steps
     curve = [{"iteration": e["step"], "val_reward": round(e["val_reward"], 4),
               "switch_after_wrong": round(e["val_switch_after_wrong"], 4),
-              "switch_after_right": round(e["val_switch_after_right"], 4)} for e in evals]
+              "switch_after_right": round(e["val_switch_after_right"], 4),
+              **({key[4:]: round(e[key], 4) for key in halves} if all(k in e for k in halves) else {})}
+             for e in evals]
     if 0 not in by_step or ITERATIONS not in by_step:
         return {"verdict": "pending", "curve": curve}
     first, last = by_step[0], by_step[ITERATIONS]
     # rounded: a rate difference exactly at the threshold must not fail on a float's last bit
     contrast = round(last["val_switch_after_wrong"] - last["val_switch_after_right"], 9)
     gain = round(last["val_reward"] - first["val_reward"], 9)
-    passed = contrast >= SWITCH_CONTRAST and gain >= REWARD_GAIN
+    passed = gain >= reward_gain and (switch_contrast is None or contrast >= switch_contrast)
+    rule = f"reward gain >= +{reward_gain} at iteration {ITERATIONS}"
+    if switch_contrast is not None:
+        rule = f"switch contrast >= +{switch_contrast} and " + rule
     return {"verdict": "passed" if passed else "failed", "switch_contrast": round(contrast, 4),
-            "reward_gain": round(gain, 4), "rule": f"switch contrast >= +{SWITCH_CONTRAST} and reward gain >= "
-                                                   f"+{REWARD_GAIN} at iteration {ITERATIONS}", "curve": curve}
+            "reward_gain": round(gain, 4), "rule": rule, "curve": curve}
+
+
+def check_decision(name: str, evals: list[dict]) -> dict:
+    """The verdict of check `name` (l48, l49, l50) by its own pre-registered rule."""
+    return decision(evals, *RULES[name.lower()])
 
 
 def training_blocks(history: list[dict], size: int = 10) -> list[dict]:
@@ -75,7 +91,7 @@ def record(name: str, run_dir: Path, runs: Path) -> None:
         probes[key] = {**probe_row(runs / file), "effect": {n: round(v, 4) for n, v in effect.items()}}
     results = read_results()
     results.setdefault("learnability", {})[name] = {
-        "run": str(run_dir), "check": decision(json.loads((run_dir / "evals.json").read_text())),
+        "run": str(run_dir), "check": check_decision(name, json.loads((run_dir / "evals.json").read_text())),
         "training_blocks": training_blocks(json.loads((run_dir / "history.json").read_text())), "probes": probes,
         "compute": compute(run_dir)}
     write_results(results)
@@ -87,7 +103,10 @@ def main() -> None:
         record(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
         return
     evals, output = Path(sys.argv[1]), Path(sys.argv[2])
-    result = decision(json.loads(evals.read_text()))
+    if output.parent.name.lower() not in RULES:
+        print(f"check_learnability.py: {output} is not in a check's runs folder ({', '.join(RULES)})", file=sys.stderr)
+        sys.exit(2)
+    result = check_decision(output.parent.name, json.loads(evals.read_text()))
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, json.dumps(result, indent=2) + "\n")
     numbers = (f" (switch contrast {result['switch_contrast']:+.3f}, reward gain {result['reward_gain']:+.3f})"

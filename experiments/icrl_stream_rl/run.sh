@@ -73,9 +73,14 @@
 #   s31-gate2-SEED-STRATEGY, s31-forgetting  as for s15, for setting 31 (only if gate N31 passes)
 #   s32           setting 32 (addendum 52): no training; gate N32 at seeds 7 and 8 on check L49's kept adapter
 #   s32-gate2-SEED-STRATEGY, s32-forgetting  as for s15, for setting 32 (only if gate N32 passes)
+#   s33           setting 33 (addendum 53): no training; gate N33 at seeds 7 and 8 on check L50's adapter, only
+#                 after check L50 passed
+#   s33-gate2-SEED-STRATEGY, s33-forgetting  as for s15, for setting 33 (only if gate N33 passes)
 #   l48           addendum 48's learnability check: setting 29's RL on 2-label opaque-label streams in label runs
 #                 (p 0.9), 60 iterations, then check L48 (runs/l48/check.json) and both probes (reported)
 #   l49           addendum 49's check L49: L48 at five times the learning rate (run only if L48 fails)
+#   l50           addendum 53's check L50: L49 with each stream's queries drawn independently (repeat_label 0),
+#                 then its decision (runs/l50/check.json: reward gain >= +0.10) and both probes
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -170,7 +175,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [feedback_learnability]=runs/l48/probe.json
                   [feedback_learnability_lr]=runs/l49/probe.json
                   [carry_verdict_streams]=runs/s30/probe.json
-                  [label_run_streams_lr]=runs/s31/probe.json)
+                  [label_run_streams_lr]=runs/s31/probe.json
+                  [class_verdict_learnability]=runs/l50/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -275,7 +281,7 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [24]=souped_streams [25]=summed_streams [26]=discovery_streams
                          [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams
                          [30]=carry_verdict_streams [31]=label_run_streams_lr
-                         [32]=feedback_learnability_lr)
+                         [32]=feedback_learnability_lr [33]=class_verdict_learnability)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -368,7 +374,7 @@ naive_gated_setting() {  # naive_gated_setting SETTING OUTPUT_DIR CONFIG_ARGS...
     gate_naive_two_seeds "$setting" || exit 1
 }
 
-learnability_check() {  # learnability_check TARGET OUTPUT_DIR CONFIG_ARGS...: addenda 48-49's checks: the ppo
+learnability_check() {  # learnability_check TARGET OUTPUT_DIR CONFIG_ARGS...: addenda 48, 49, 53's checks: the ppo
                         # stage from the H32 bootstrap, the check's decision (runs/TARGET/check.json), both probes
     local target=$1 output=$2
     shift 2
@@ -451,11 +457,23 @@ for target in "$@"; do
             trained feedback_learnability_lr ||
                 { echo "run.sh s32: run l49 first (artifacts/feedback_learnability_lr)" >&2; exit 2; }
             gate_naive_two_seeds 32 || exit 1 ;;
+        s33)  # addendum 53: no training, gate N on check L50's adapter as it is, only if L50 passed
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            if ! grep -q '"verdict": "passed"' runs/l50/check.json 2>/dev/null; then
+                echo "run.sh s33: setting 33 runs only after check L50 passed (runs/l50/check.json; run l50 first)" >&2
+                exit 2
+            fi
+            trained class_verdict_learnability ||
+                { echo "run.sh s33: run l50 first (artifacts/class_verdict_learnability)" >&2; exit 2; }
+            gate_naive_two_seeds 33 || exit 1 ;;
         l48)
             learnability_check l48 feedback_learnability -c $E/feedback_learnability.yaml ;;
         l49)
             learnability_check l49 feedback_learnability_lr -c $E/feedback_learnability.yaml \
                 -c $E/feedback_learnability_lr.yaml ;;
+        l50)
+            learnability_check l50 class_verdict_learnability -c $E/feedback_learnability.yaml \
+                -c $E/feedback_learnability_lr.yaml -c $E/class_verdict_learnability.yaml ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;
@@ -578,7 +596,8 @@ for target in "$@"; do
                  "s26, s26-gate2-SEED-STRATEGY, s26-forgetting, s27-start, s27, s27-gate2-SEED-STRATEGY," \
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
                  "s29-forgetting, s30, s30-gate2-SEED-STRATEGY, s30-forgetting, s31, s31-gate2-SEED-STRATEGY," \
-                 "s31-forgetting, s32, s32-gate2-SEED-STRATEGY, s32-forgetting, probe-banking77-bootstrap, l48, l49," \
+                 "s31-forgetting, s32, s32-gate2-SEED-STRATEGY, s32-forgetting, s33, s33-gate2-SEED-STRATEGY," \
+                 "s33-forgetting, probe-banking77-bootstrap, l48, l49, l50," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -414,3 +414,23 @@ def test_setting_32_runs_gate_n_on_l49s_kept_adapter_without_training(project):
         assert call.endswith(f"--set icrl_eval.seed={seed} --set evaluate.output_dir=artifacts/gate_naive_s32{suffix}")
     _run(project, "s32-gate2-100-naive")
     assert "evaluate.adapter=artifacts/feedback_learnability_lr/adapter" in _calls(project)[-1]
+
+
+def test_setting_33_runs_gate_n_on_l50s_adapter_only_after_check_l50_passed(project):
+    _kept(project, "bootstrap_h32")
+    adapter = project / "artifacts" / "class_verdict_learnability" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_text("l50")
+    check = project / "runs" / "l50" / "check.json"
+    for verdict in (None, "failed"):
+        if verdict:
+            check.parent.mkdir(parents=True)
+            check.write_text(json.dumps({"verdict": verdict}, indent=2))
+        refused = subprocess.run(["bash", str(project / SCRIPT), "s33"], cwd=project, capture_output=True, text=True,
+                                 check=False, timeout=60)
+        assert refused.returncode == 2 and "only after check L50 passed" in refused.stderr
+    check.write_text(json.dumps({"verdict": "passed"}, indent=2))
+    _run(project, "s33")
+    seed7, seed8 = _calls(project)
+    assert "gate_naive_s33.yaml" in seed7 and seed7.endswith("evaluate.output_dir=artifacts/gate_naive_s33")
+    assert seed8.endswith("--set icrl_eval.seed=8 --set evaluate.output_dir=artifacts/gate_naive_s33_seed8")

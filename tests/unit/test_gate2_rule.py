@@ -163,7 +163,7 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
     assert gate_e.seeds_decision({7: naive(late({"999": 0.5})), 8: naive(late({"999": -0.01}))},
                                  "29")["verdict"] == "failed"
     # settings 30-32's gates N30, N31, N32 (addenda 50-52): gate N29's rule
-    for setting in ("30", "31", "32"):
+    for setting in ("30", "31", "32", "33"):
         assert gate_e.gate_strategy(setting) == "naive"
         assert gate_e.seeds_decision({7: naive(seven), 8: naive(eight)}, setting)["verdict"] == "failed"
         assert gate_e.seeds_decision({7: naive(ten), 8: naive(ten)}, setting)["verdict"] == "passed"
@@ -215,6 +215,24 @@ def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_ite
     assert check.decision([start, record(60, 0.59, 0.90, 0.05)])["verdict"] == "failed"  # reward short
     assert check.decision([start, record(60, 0.90, 0.50, 0.21)])["verdict"] == "failed"  # contrast short
     assert check.decision([start, record(50, 0.90, 0.90, 0.00)])["verdict"] == "pending"
+
+
+def test_check_l50_is_decided_by_the_reward_gain_alone_and_the_earlier_checks_keep_their_rule():
+    """Addendum 53's check L50 draws queries independently, where switching after "wrong" earns nothing: the
+    validation reward at iteration 60 at least iteration 0's + 0.10 passes whatever the switch rates; L48 and L49
+    keep the switch-contrast term. The curve carries the streams' first- and second-half reward when logged."""
+    check = _check_learnability()
+
+    def record(step, reward, wrong, right):
+        return {"step": step, "val_reward": reward, "val_switch_after_wrong": wrong, "val_switch_after_right": right,
+                "val_reward_first_half": reward - 0.1, "val_reward_second_half": reward + 0.1}
+
+    runs = [record(0, 0.50, 0.10, 0.10), record(60, 0.62, 0.20, 0.20)]
+    result = check.check_decision("l50", runs)
+    assert result["verdict"] == "passed" and result["rule"] == "reward gain >= +0.1 at iteration 60"
+    assert result["curve"][1]["reward_second_half"] == 0.72
+    assert check.check_decision("L49", runs)["verdict"] == "failed"  # contrast 0 < 0.30
+    assert check.check_decision("l50", [runs[0], record(60, 0.59, 0.9, 0.0)])["verdict"] == "failed"
 
 
 def test_learnability_training_blocks_average_per_ten_iterations_and_skip_missing_switch_rates():

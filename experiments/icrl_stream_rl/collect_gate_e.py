@@ -68,6 +68,8 @@ Rules (each fixed before its runs):
 - setting 31 (addendum 51, gate N31, `gate_naive_s31.yaml`): gate N29's rule, after check P31 passed.
 - setting 32 (addendum 52, gate N32, `gate_naive_s32.yaml`): gate N29's rule on check L49's adapter as it is.
 - setting 33 (addendum 53, gate N33, `gate_naive_s33.yaml`): gate N29's rule on check L50's adapter as it is.
+- settings 32 and 33 (addendum 54): a rule pass whose trained runs collapse (on any seed, repeat after at least 95%
+  of the wrong answers) is "passed by the rule, collapsed" and does not go to gate 2.
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ SEEDS = {"21": (7, 8), "22": (7, 8), "23": (7, 8), "24": (7, 8), "25": (7, 8), "
 # measured (the late steps, where one context draw moves the number less), not the last step's alone
 LATE = {"26": (499, 999), "27": (499, 999), "28": (499, 999), "29": (499, 999), "30": (499, 999), "31": (499, 999),
         "32": (499, 999), "33": (499, 999)}
+# settings whose gate does not send a collapsed adapter to gate 2 (addendum 54): if on any seed the trained run
+# repeats its last answer after at least COLLAPSE of its wrong answers, a rule pass is "passed by the rule, collapsed"
+NO_COLLAPSE = {"32", "33"}
+COLLAPSE = 0.95
 # setting -> the least test accuracy of the RL adapter itself, averaged over LATE's test steps and the seeds: for a
 # setting that starts from a weaker bootstrap than H32, so beating its start cannot come from starting lower
 LEAST_LEVEL = {"27": 0.400}
@@ -203,8 +209,17 @@ def seeds_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:
         mean_level = round(sum(levels.values()) / len(levels), 4)
         level = {"levels": levels, "level": mean_level, "min_level": LEAST_LEVEL[setting]}
         passed = passed and mean_level >= LEAST_LEVEL[setting] - 1e-9
-    return {"test_gains": test_gains, "test_gain": mean, "min_test_gain": min_mean_gain, **level,
-            "rule": rule_text(setting), "verdict": "passed" if passed else "failed"}
+    collapse, verdict = {}, "passed" if passed else "failed"
+    if setting in NO_COLLAPSE:
+        strategy = gate_strategy(setting)
+        repeats = {str(seed): runs_by_seed[seed][f"trained-{strategy}"].get("behaviour", {}).get("repeat_after_wrong")
+                   for seed in gate_seeds(setting)}
+        collapsed = [seed for seed, repeat in repeats.items() if repeat is not None and repeat >= COLLAPSE - 1e-9]
+        collapse = {"repeat_after_wrong": repeats, "collapsed_seeds": collapsed}
+        if passed and collapsed:
+            verdict = "passed by the rule, collapsed: not sent to gate 2"
+    return {"test_gains": test_gains, "test_gain": mean, "min_test_gain": min_mean_gain, **level, **collapse,
+            "rule": rule_text(setting), "verdict": verdict}
 
 
 def start_decision(runs_by_seed: dict[int, dict], setting: str) -> dict:

@@ -168,6 +168,19 @@ def test_gate_e_needs_three_points_of_stream_reward_and_no_loss_of_test_accuracy
         assert gate_e.seeds_decision({7: naive(seven), 8: naive(eight)}, setting)["verdict"] == "failed"
         assert gate_e.seeds_decision({7: naive(ten), 8: naive(ten)}, setting)["verdict"] == "passed"
 
+    # settings 32 and 33 (addendum 54): a rule pass with a collapsed trained run does not go to gate 2
+    def repeating(runs_of_seed: dict, repeat_after_wrong: float) -> dict:
+        runs_of_seed = naive(runs_of_seed)
+        trained = {**runs_of_seed["trained-naive"], "behaviour": {"repeat_after_wrong": repeat_after_wrong}}
+        return {**runs_of_seed, "trained-naive": trained}
+
+    collapsed = gate_e.seeds_decision({7: repeating(ten, 1.0), 8: repeating(ten, 0.5)}, "32")
+    assert collapsed["verdict"] == "passed by the rule, collapsed: not sent to gate 2"
+    assert collapsed["collapsed_seeds"] == ["7"]
+    assert gate_e.seeds_decision({7: repeating(ten, 0.94), 8: repeating(ten, 0.5)}, "33")["verdict"] == "passed"
+    assert gate_e.seeds_decision({7: repeating(seven, 1.0), 8: repeating(eight, 1.0)}, "32")["verdict"] == "failed"
+    assert gate_e.seeds_decision({7: repeating(ten, 1.0), 8: repeating(ten, 1.0)}, "31")["verdict"] == "passed"
+
 
 def test_a_seed_run_in_parts_is_one_seed():
     explorative = {"runs": {"trained-explorative": {"test_accuracy": {"999": 0.5}}}, "seconds": 100.0,

@@ -23,6 +23,7 @@ are seeded per step), so a resumed run makes the same choices as an uninterrupte
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import time
 from collections import Counter
@@ -584,11 +585,37 @@ def run_protocol(predictor: Predictor, task: ClassificationTask, cfg: EvalConfig
         yield event
 
 
+# repeat_after_wrong at or above this reads as a collapse: every recorded naive run on trec_coarse sat either at
+# 0.99-1.0 (one answer throughout) or at 0.46-0.74 (kept switching), none between (experiments/icrl_stream_rl).
+COLLAPSED_REPEAT_AFTER_WRONG = 0.95
+
+
+def repeat_rates(steps: Sequence[dict]) -> dict:
+    """How often the next answer repeats the last one, after the last answer's feedback said wrong and after it
+    said right (the feedback the model saw; it equals the reward unless flip_feedback_prob > 0):
+
+        repeat_after_wrong = #{t : feedback_t = 0 and answer_{t+1} = answer_t} / #{t : feedback_t = 0}
+
+    and likewise for feedback 1. Near 1.0 after wrong answers the run has collapsed to copying one answer, and its
+    test accuracy is that label's test share, not in-context learning. None when a run has no such step pair
+    (zero-shot and ICL runs answer no training query)."""
+    answered = [s for s in steps if s.get("prediction") is not None and s.get("reward") is not None]
+    pairs = {0: [0, 0], 1: [0, 0]}   # feedback -> [repeats, pairs]
+    for last, step in itertools.pairwise(answered):
+        counts = pairs[int(last.get("feedback", last["reward"]) > 0)]
+        counts[0] += step["prediction"] == last["prediction"]
+        counts[1] += 1
+    return {f"repeat_after_{name}": round(repeats / total, 4) if total else None
+            for name, (repeats, total) in (("wrong", pairs[0]), ("right", pairs[1]))}
+
+
 def summarize(steps: Sequence[dict], tests: Sequence[dict]) -> dict:
-    """Run metrics: running train accuracy, regret (cumulative errors), test accuracy at each evaluation,
-    tokens processed and wall time (from the logged events)."""
+    """Run metrics: running train accuracy, regret (cumulative errors), how often an answer is repeated after
+    wrong and after right feedback (repeat_rates), test accuracy at each evaluation, tokens processed and wall time
+    (from the logged events)."""
     rewards = [s["reward"] for s in steps if s.get("reward") is not None]
     return {
+        **repeat_rates(steps),
         "steps": len(steps),
         "train_accuracy": (sum(rewards) / len(rewards)) if rewards else None,
         "regret": (len(rewards) - sum(rewards)) if rewards else None,

@@ -386,10 +386,16 @@ def register(app: typer.Typer) -> None:
 
 
 def _print_summary(metrics: dict) -> None:
+    from icrl_core.icrl_eval import COLLAPSED_REPEAT_AFTER_WRONG
+
     out = console()
     parts = [f"run folder: {metrics['run_dir']}"]
     if metrics.get("train_accuracy") is not None:
         parts.append(f"train accuracy {metrics['train_accuracy']:.3f}, regret {metrics['regret']}")
+    if metrics.get("repeat_after_wrong") is not None:
+        parts.append(f"repeats its last answer after {metrics['repeat_after_wrong']:.0%} of wrong answers"
+                     + (" (collapsed: copies one answer whatever the reward)"
+                        if metrics["repeat_after_wrong"] >= COLLAPSED_REPEAT_AFTER_WRONG else ""))
     parts.append("test accuracy: " + ", ".join(f"step {k}: {v:.3f}" for k, v in metrics["test_accuracy"].items()))
     parts.append(f"tokens processed {metrics['tokens_processed']:,}; {metrics['seconds']:.1f}s in steps and tests")
     out.print("\n".join(parts))

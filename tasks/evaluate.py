@@ -670,6 +670,8 @@ def run(config: PipelineConfig) -> dict:
             metrics[f"{prefix}_final_test_accuracy"] = result["final_test_accuracy"]
             metrics[f"{prefix}_train_accuracy"] = result["train_accuracy"]
             metrics[f"{prefix}_regret"] = result["regret"]
+            # near 1.0: the run copies one answer whatever the reward, so its accuracy is a label share
+            metrics[f"{prefix}_repeat_after_wrong"] = result.get("repeat_after_wrong")
             metrics[f"{prefix}_seconds"] = round(result["seconds"], 1)  # the run's own compute time
             if strategy == headline:
                 metrics[f"{which}_final_test_accuracy"] = result["final_test_accuracy"]

@@ -19,9 +19,10 @@ Seeds already in results.json and not given again are kept.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from pathlib import Path
+
+from icrl_core.icrl_eval import repeat_rates
 
 SEEDS = (100, 101, 102)
 STRATEGIES = ("explorative", "naive", "zero_shot")
@@ -81,14 +82,8 @@ def stream_behaviour(steps: Path) -> dict:
     a reward of 0 and after a reward of 1 (a copier repeats either way), the answers given per label, and the
     answers rewarded per gold label. Diagnostics reported beside the gate, not part of its rule."""
     rows = [json.loads(line) for line in steps.read_text().splitlines() if line.strip()]
-    repeats = {0: [0, 0], 1: [0, 0]}
-    for last, step in itertools.pairwise(rows):
-        counts = repeats[int(last["reward"] > 0)]
-        counts[0] += step["prediction"] == last["prediction"]
-        counts[1] += 1
     labels = sorted({r["gold"] for r in rows} | {r["prediction"] for r in rows})
-    return {"repeat_after_wrong": round(repeats[0][0] / max(repeats[0][1], 1), 3),
-            "repeat_after_right": round(repeats[1][0] / max(repeats[1][1], 1), 3),
+    return {**{k: round(v or 0.0, 3) for k, v in repeat_rates(rows).items()},
             "answers": {label: sum(r["prediction"] == label for r in rows) for label in labels},
             "right_per_gold": {label: [sum(r["gold"] == label and r["reward"] > 0 for r in rows),
                                        sum(r["gold"] == label for r in rows)] for label in labels}}

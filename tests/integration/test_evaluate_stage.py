@@ -249,6 +249,9 @@ def test_the_adapter_training_started_from_is_evaluated_alike_and_gated(in_tmp):
         policy.save_adapter(in_tmp / name)
     metrics = stage.run(config)
     assert {"start_explorative_final_test_accuracy", "start_final_test_accuracy", "gain_over_start"} <= set(metrics)
+    for which in ("start", "trained"):   # beside each accuracy: whether the run copied one answer whatever the reward
+        run = json.loads((in_tmp / "evaluate" / "runs" / f"{which}-explorative" / "metrics.json").read_text())
+        assert metrics[f"{which}_explorative_repeat_after_wrong"] == run["repeat_after_wrong"] is not None
     assert metrics["gain_over_start"] == metrics["trained_final_test_accuracy"] - metrics["start_final_test_accuracy"]
     assert metrics["passes_gain_over_start"] == (metrics["gain_over_start"] > 0.0)
     assert (in_tmp / "evaluate" / "runs" / "start-explorative" / "metrics.json").exists()

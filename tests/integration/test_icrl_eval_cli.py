@@ -3,6 +3,7 @@ max-examples."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -50,6 +51,10 @@ def test_eval_run_folder_tracking_and_tools(tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["regret"] == sum(1 - s["reward"] for s in steps)
     assert "test accuracy: step 0:" in out.stdout
+    wrong = [(a, b) for a, b in itertools.pairwise(steps) if a["reward"] == 0]   # no flips: feedback == reward
+    assert metrics["repeat_after_wrong"] == round(sum(a["prediction"] == b["prediction"] for a, b in wrong)
+                                                  / len(wrong), 4)
+    assert f"repeats its last answer after {metrics['repeat_after_wrong']:.0%} of wrong answers" in out.stdout
 
     # MLflow (sqlite store in the working directory): params, step metrics and the run folder as artifacts.
     import mlflow
@@ -59,6 +64,7 @@ def test_eval_run_folder_tracking_and_tools(tmp_path):
     assert len(runs) == 1 and runs[0].data.params["icrl_eval.strategy"] == "explorative"
     history = mlflow.MlflowClient().get_metric_history(runs[0].info.run_id, "test_accuracy")
     assert [m.step for m in history] == [0, 19, 39, 59]
+    assert runs[0].data.metrics["repeat_after_wrong"] == metrics["repeat_after_wrong"]
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id, "icrl_eval")}
     assert "icrl_eval/steps.jsonl" in artifacts
 

@@ -32,6 +32,7 @@ from icrl_core.icrl_eval import (
     needed_nodes,
     render_context,
     render_query,
+    repeat_rates,
     run_protocol,
     sample_child,
     show_for,
@@ -302,6 +303,25 @@ def test_flipped_feedback_and_summary(tiny):
     assert metrics["regret"] == sum(1 - s["reward"] for s in steps)
     assert set(metrics["test_accuracy"]) == {0, 39}
     assert metrics["tokens_processed"] == sum(s["tokens_computed"] for s in steps + tests)
+
+
+def test_repeat_rates_by_hand():
+    def step(prediction, reward, feedback=None):
+        return {"prediction": prediction, "reward": reward, "feedback": reward if feedback is None else feedback,
+                "tokens_computed": 1, "seconds": 0.0}
+
+    # after wrong: a->a (repeat), b->b (repeat), b->c; after right: a->b, c->c (repeat)
+    steps = [step("a", 0), step("a", 1), step("b", 0), step("b", 0), step("c", 1), step("c", 0)]
+    assert repeat_rates(steps) == {"repeat_after_wrong": round(2 / 3, 4), "repeat_after_right": 0.5}
+    # the feedback the model saw decides, not the hidden reward (flipped feedback runs)
+    flipped = [step("a", 0, feedback=1), step("a", 1, feedback=0), step("b", 0)]
+    assert repeat_rates(flipped) == {"repeat_after_wrong": 0.0, "repeat_after_right": 1.0}
+    # a copier repeats whatever the reward; zero-shot/ICL runs (no answers) have no rate
+    copier = [step("x", r) for r in (0, 1, 0, 0, 1, 1, 0)]
+    assert repeat_rates(copier) == {"repeat_after_wrong": 1.0, "repeat_after_right": 1.0}
+    assert repeat_rates([{"prediction": None, "reward": None}] * 3) == {"repeat_after_wrong": None,
+                                                                         "repeat_after_right": None}
+    assert summarize(steps, [])["repeat_after_wrong"] == round(2 / 3, 4)
 
 
 def test_test_temperature_changes_only_the_test_predictions(tiny):

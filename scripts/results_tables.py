@@ -688,6 +688,15 @@ def stream_rl_distillation() -> str:
             f"{'-' if d['mean'] is None else _signed(d['mean'])}, **{d['verdict']}**.\n")
 
 
+REPEATS_HEAD = "repeat after wrong base / start / RL (>= 0.95: collapsed)"
+
+
+def _repeats(runs: dict) -> str:
+    """Each run's repeat_after_wrong (icrl_core.icrl_eval.repeat_rates, recorded by collect_gate2.stream_behaviour):
+    near 1.0 the run copied one answer whatever the reward, and its accuracy is that label's test share."""
+    return " / ".join(_fmt((r or {}).get("behaviour", {}).get("repeat_after_wrong"), 2) for r in runs.values())
+
+
 def stream_rl_gate2() -> str:
     """Gate 2 of experiments/icrl_stream_rl: held-out trec_coarse test accuracy of the RL adapter, the bootstrap it
     started from and the base model, per seed (collect_gate2.py), and the pre-registered decision."""
@@ -705,7 +714,7 @@ def stream_rl_gate2() -> str:
                 cells = [_fmt(r["test_accuracy"][last]) if r else "" for r in runs.values()]
                 diff = (_signed(runs["trained"]["test_accuracy"][last] - runs["start"]["test_accuracy"][last])
                         if runs["start"] else "")
-                rows.append([setting, seed, strategy.replace("_", "-"), *cells, diff, curve])
+                rows.append([setting, seed, strategy.replace("_", "-"), *cells, diff, _repeats(runs), curve])
         for strategy in ("explorative", "naive"):
             d = gate["decision"][strategy]
             mean = _signed(d["mean"]) if d["mean"] is not None else "n/a"
@@ -716,7 +725,7 @@ def stream_rl_gate2() -> str:
     if not rows:
         return "No gate-2 run is collected yet.\n"
     return (_table(["setting", "seed", "strategy", "base", "bootstrap (start)", "RL adapter", "RL - bootstrap",
-                    "RL adapter's test accuracy at each test step"], rows)
+                    REPEATS_HEAD, "RL adapter's test accuracy at each test step"], rows)
             + "\n" + "\n".join(f"- {n}" for n in notes) + "\n")
 
 
@@ -752,11 +761,13 @@ def stream_rl_gate_e() -> str:
                 parts.append(f"own late accuracy {_fmt(d['level'], 3)}")
             detail = f" ({'; '.join(parts)})" if parts else ""
         verdict = f"{rule}: **{d['verdict']}**{detail}" if not d["verdict"].startswith("reported") else d["verdict"]
-        rows.append([setting.split("@")[0], str(gate["seed"]), strategy, *curves, reward, gains, verdict, late])
+        rows.append([setting.split("@")[0], str(gate["seed"]), strategy, *curves, reward, _repeats(runs), gains,
+                     verdict, late])
     if not rows:
         return "No gate-E run is collected yet.\n"
     return (_table(["setting", "seed", "strategy", "base (test accuracy at each test step)", "bootstrap (start)",
-                    "RL adapter", "training-stream reward base / start / RL", "RL - bootstrap at the last step",
+                    "RL adapter", "training-stream reward base / start / RL", REPEATS_HEAD,
+                    "RL - bootstrap at the last step",
                     "rule", "RL - bootstrap, mean over test steps 499-999"], rows)
             + "\nThe last column was first read after setting 25's gate had run (post hoc for settings 15-25): one test "
               "step's gain moves by up to 0.1 between adjacent steps of a run, the mean over the late steps less. "

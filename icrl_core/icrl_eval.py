@@ -631,7 +631,8 @@ def summarize(steps: Sequence[dict], tests: Sequence[dict]) -> dict:
 def behaviour(steps: Sequence[dict], tests: Sequence[dict], window: int) -> dict:
     """How a run behaved, to tell learning from collapse: per window of `window` training steps, the accuracy,
     how often each label was predicted and rewarded, the mean probability of the sampled answer (near 1: the
-    policy no longer explores) and the mean context size; per evaluation, the test accuracy and the test answers'
+    policy no longer explores), how often an answer after wrong feedback repeats the last one (repeat_rates; near
+    1: copying whatever the reward) and the mean context size; per evaluation, the test accuracy and the test answers'
     label counts. `top_share` is the most predicted label's share (1.0: every answer is one label)."""
     if window < 1:
         raise UserError(f"window must be >= 1, got {window}")
@@ -646,6 +647,8 @@ def behaviour(steps: Sequence[dict], tests: Sequence[dict], window: int) -> dict
             "predictions": dict(counts.most_common()),
             "rewarded": dict(Counter(s["prediction"] for s in chunk if s["reward"]).most_common()),
             "top_share": counts.most_common(1)[0][1] / len(chunk),
+            # pairs within the window: the step before its first one counts in the previous window
+            "repeat_after_wrong": repeat_rates(chunk)["repeat_after_wrong"],
             "mean_answer_prob": float(np.mean([s["prob"] for s in chunk])) if "prob" in chunk[0] else None,
             "mean_context_episodes": float(np.mean([len(s.get("context", [])) for s in chunk])),
         })

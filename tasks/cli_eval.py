@@ -228,7 +228,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of tables.")] = False,
     ) -> None:
         """How a run behaved, to tell learning from collapse: per window of training steps the accuracy, the
-        labels predicted and rewarded, the mean probability of the sampled answer (near 1: no exploration left)
+        labels predicted and rewarded, how often an answer after wrong feedback repeats the last one (near 1:
+        copying whatever the reward), the mean probability of the sampled answer (near 1: no exploration left)
         and the context size; per evaluation the test accuracy and the labels of the test answers."""
         from rich.table import Table
 
@@ -242,12 +243,14 @@ def register(app: typer.Typer) -> None:
         def counts(c: dict) -> str:
             return ", ".join(f"{label} {n}" for label, n in c.items()) or "-"
 
-        train = Table("steps", "accuracy", "predicted", "rewarded", "top label share", "answer prob",
-                      "context episodes", title=f"{run_dir.name}: training stream")
+        train = Table("steps", "accuracy", "predicted", "rewarded", "top label share", "repeat after wrong",
+                      "answer prob", "context episodes", title=f"{run_dir.name}: training stream")
         for w in report["windows"]:
             prob = "-" if w["mean_answer_prob"] is None else f"{w['mean_answer_prob']:.2f}"
+            repeat = "-" if w["repeat_after_wrong"] is None else f"{w['repeat_after_wrong']:.2f}"
             train.add_row(f"{w['first_step']}-{w['last_step']}", f"{w['accuracy']:.3f}", counts(w["predictions"]),
-                          counts(w["rewarded"]), f"{w['top_share']:.2f}", prob, f"{w['mean_context_episodes']:.1f}")
+                          counts(w["rewarded"]), f"{w['top_share']:.2f}", repeat, prob,
+                          f"{w['mean_context_episodes']:.1f}")
         test = Table("step", "accuracy", "context episodes", "test answers", "top label share",
                      title=f"{run_dir.name}: evaluations")
         for e in report["evaluations"]:

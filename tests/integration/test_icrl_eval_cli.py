@@ -80,6 +80,7 @@ def test_eval_run_folder_tracking_and_tools(tmp_path):
     assert inspected.returncode == 0, inspected.stderr
     report = json.loads(inspected.stdout)
     assert [w["first_step"] for w in report["windows"]] == [0, 20, 40]
+    assert all(w["repeat_after_wrong"] is None or 0 <= w["repeat_after_wrong"] <= 1 for w in report["windows"])
     assert [e["step"] for e in report["evaluations"]] == [0, 19, 39, 59]
     table = call_cli("inspect", str(run_dir), cwd=tmp_path)
     assert table.returncode == 0 and "top label share" in table.stdout

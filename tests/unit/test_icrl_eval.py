@@ -406,6 +406,8 @@ def test_behaviour_reports_collapse_per_window():
     assert first["top_share"] == 0.5 and first["mean_answer_prob"] == 0.5
     assert second["predictions"] == {"a": 4} and second["rewarded"] == {} and second["top_share"] == 1.0
     assert second["mean_context_episodes"] == 2.0
+    # first window: after wrong b (steps 0, 2) comes a (no repeat); second: a wrong a repeated 3 times out of 3
+    assert first["repeat_after_wrong"] == 0.0 and second["repeat_after_wrong"] == 1.0
     assert report["evaluations"] == [{"step": 7, "accuracy": 0.5, "context_size": 2,
                                       "predictions": {"a": 3, "b": 1}, "top_share": 0.75}]
     supervised = [{"step": 0, "prediction": None, "reward": None}]  # ICL steps predict nothing

@@ -24,6 +24,8 @@ of that setting's rule.
         --folder artifacts/gate_explorative_s26_seed8
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 29 --folder artifacts/gate_naive_s29 \
         --folder artifacts/gate_naive_s29_seed8
+    .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 32 --folder artifacts/gate_naive_s32 \
+        --folder artifacts/gate_naive_s32_seed8
     .venv/bin/python experiments/icrl_stream_rl/collect_gate_e.py --setting 27 --start \
         --folder artifacts/gate_explorative_s27_start --folder artifacts/gate_explorative_s27_start_seed8
 

@@ -44,7 +44,8 @@ def write_results(results: dict) -> None:
 
 GATE_MARGIN = 0.2
 # setting -> the least n=1 feedback effect of the probe check that decided it in place of gate 1 (check P, addenda
-# 47, 50, 51): its row records `check_p` and no gate-1 verdict, so one number is not read against two thresholds
+# 47, 50, 51): its row records `check_p` and no gate-1 verdict, so one number is not read against two thresholds;
+# run.sh's probe_check stops a setting below it
 CHECK_P = {"29": 0.10, "30": 0.10, "31": 0.10}
 CONTEXTS = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
 

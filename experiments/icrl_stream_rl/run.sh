@@ -144,13 +144,15 @@ probe_banking77() {  # probe_banking77 ADAPTER OUTPUT: the probe on a training t
         --attempts 4 --queries 40 --seed 0 --dtype float32 --threads 2 --adapter "$1" --output "$2" --no-progress
 }
 
-probe_check() {  # probe_check PROBE_JSON LEAST SETTING: check P (addendum 47): the n=1 feedback effect of a probe
-                 # at least LEAST, else the setting stops before its gate runs (exit status 1)
-    .venv/bin/python - "$1" "$2" "$3" <<'PY'
+probe_check() {  # probe_check PROBE_JSON SETTING: check P (addendum 47): the n=1 feedback effect of a probe at
+                 # least the setting's collect.CHECK_P, else the setting stops before its gate runs (exit status 1)
+    .venv/bin/python - "$1" "$2" "$E" <<'PY'
 import json, sys
-effect = json.load(open(sys.argv[1]))["feedback_effect"]["1"]
-passed = effect >= float(sys.argv[2])
-print(f"== check P{sys.argv[3]}: n=1 feedback effect {effect:+.3f}, rule >= +{float(sys.argv[2]):.2f}: "
+sys.path.insert(0, sys.argv[3])
+from collect import CHECK_P  # the threshold's one place (results.json records it from there too)
+effect, least = json.load(open(sys.argv[1]))["feedback_effect"]["1"], CHECK_P[sys.argv[2]]
+passed = effect >= least
+print(f"== check P{sys.argv[2]}: n=1 feedback effect {effect:+.3f}, rule >= +{least:.2f}: "
       f"{'passed, the gate runs follow' if passed else 'failed, the setting stops here (no gate runs)'}")
 sys.exit(0 if passed else 1)
 PY
@@ -370,7 +372,7 @@ naive_gated_setting() {  # naive_gated_setting SETTING OUTPUT_DIR CONFIG_ARGS...
     [[ -f runs/s$setting/probe-banking77.json ]] || probe_banking77 "artifacts/$output/adapter" \
         "runs/s$setting/probe-banking77.json"
     [[ -f runs/s$setting/probe.json ]] || probe "artifacts/$output/adapter" "runs/s$setting/probe.json"
-    probe_check "runs/s$setting/probe.json" 0.10 "$setting" || exit 0
+    probe_check "runs/s$setting/probe.json" "$setting" || exit 0
     gate_naive_two_seeds "$setting" || exit 1
 }
 

@@ -31,6 +31,8 @@ def project(tmp_path) -> Path:
     shutil.copy2(ROOT / SCRIPT, tmp_path / SCRIPT)
     # park merges the evaluation run store with this script, run by the project's python
     shutil.copy2(ROOT / SCRIPT.parent / "park_evaluations.py", tmp_path / SCRIPT.parent / "park_evaluations.py")
+    # the probe checks' thresholds (collect.CHECK_P), read by the script
+    shutil.copy2(ROOT / SCRIPT.parent / "collect.py", tmp_path / SCRIPT.parent / "collect.py")
     stub = tmp_path / ".venv" / "bin" / "icrl"
     stub.parent.mkdir(parents=True)
     (stub.parent / "python").symlink_to(sys.executable)

@@ -51,7 +51,10 @@ def _calls(project: Path) -> list[str]:
 
 def _run(project: Path, *targets: str, **env: str) -> subprocess.CompletedProcess:
     result = subprocess.run(["bash", str(project / SCRIPT), *targets], cwd=project, capture_output=True, text=True,
-                            check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", ""), **env})
+                            check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", ""),
+                                                          # the symlinked python is outside its venv: icrl_core
+                                                          # (collect.py's import) from the project's root
+                                                          "PYTHONPATH": str(ROOT), **env})
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 

@@ -35,7 +35,11 @@ def project(tmp_path) -> Path:
     shutil.copy2(ROOT / SCRIPT.parent / "collect.py", tmp_path / SCRIPT.parent / "collect.py")
     stub = tmp_path / ".venv" / "bin" / "icrl"
     stub.parent.mkdir(parents=True)
-    (stub.parent / "python").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a symlinked interpreter outside its venv would lose the venv's packages (icrl_core,
+    # which collect.py imports for the probe checks)
+    python = stub.parent / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     real = Path(sys.executable).parent / "icrl"  # `icrl redact` (park's copy of the evaluation logs) and `icrl
     # check-text` (park's search of what it parked for the datasets' texts) run for real
     stub.write_text(f'#!/bin/sh\n[ "$1" = redact ] && exec {real} "$@"\n'
@@ -51,10 +55,7 @@ def _calls(project: Path) -> list[str]:
 
 def _run(project: Path, *targets: str, **env: str) -> subprocess.CompletedProcess:
     result = subprocess.run(["bash", str(project / SCRIPT), *targets], cwd=project, capture_output=True, text=True,
-                            check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", ""),
-                                                          # the symlinked python is outside its venv: icrl_core
-                                                          # (collect.py's import) from the project's root
-                                                          "PYTHONPATH": str(ROOT), **env})
+                            check=False, timeout=60, env={**os.environ, "PATH": os.environ.get("PATH", ""), **env})
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 

@@ -34,8 +34,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from icrl_core.errors import UserError  # noqa: E402
-from icrl_core.io import atomic_write_json, read_user_text  # noqa: E402
+from icrl_core.errors import UserError
+from icrl_core.io import atomic_write_json, read_user_text
 
 
 def sharpness_row(p_gold: list[float], argmax_right: list[bool], sampled_accuracy: float,

@@ -47,6 +47,8 @@ GATE_MARGIN = 0.2
 # 47, 50, 51): its row records `check_p` and no gate-1 verdict, so one number is not read against two thresholds;
 # run.sh's probe_check stops a setting below it
 CHECK_P = {"29": 0.10, "30": 0.10, "31": 0.10}
+# Check C (addendum 55): the closure probe's absent recall - false alarm at least this, per setting.
+CHECK_C = {"34": 0.05}
 CONTEXTS = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
 
 

@@ -58,6 +58,10 @@
 #   s28           setting 28 (addendum 46): setting 16 with its trained steps sampled and trained at temperature 1.0
 #                 (the test predictions'), the burn-in at 2.0, then gate E28 at seeds 7 and 8 (explorative, 1000
 #                 steps; its rule reads test steps 499-999) and its probe
+#   s34           setting 34 (addendum 55): setting 26 with p_keep 0.1 and a discovery paid 1 + 3.0, then check C34
+#                 (the closure probe of its adapter and setting 26's; absent recall - false alarm >= collect.CHECK_C,
+#                 else it stops), gate E34 at seeds 7 and 8 (explorative, 1000 steps; test steps 499-999), its probe
+#   s34-gate2-SEED-STRATEGY, s34-forgetting  as for s15, for setting 34 (only if gate E34 passes)
 #   s28-gate2-SEED-STRATEGY, s28-forgetting  as for s15, for setting 28 (only if gate E28 passes)
 #   s29           setting 29 (addendum 47): setting 18 with every stream's queries in label runs (repeat_label
 #                 0.5), then its probe (trec_coarse, and banking77 reported), check P29 (the trec_coarse probe's
@@ -158,6 +162,32 @@ sys.exit(0 if passed else 1)
 PY
 }
 
+closure_check() {  # closure_check SETTING NAME=ADAPTER...: check C (addendum 55): the closure probe of the adapters
+                   # (runs/sSETTING/closure.json); the first one's absent recall - false alarm at least
+                   # collect.CHECK_C[SETTING], else the setting stops before its gate runs (exit status 1)
+    local setting=$1
+    shift
+    [[ -f runs/s$setting/closure.json ]] || step "check C$setting: closure probe" .venv/bin/python \
+        $E/closure_probe.py --task trec_coarse "$@" --output "runs/s$setting/closure.json"
+    .venv/bin/python - "runs/s$setting" "$setting" "${1%%=*}" "$E" <<'PY'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+from collect import CHECK_C  # the threshold's one place
+from icrl_core.io import atomic_write_json
+runs, setting, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+row = json.load(open(runs / "closure.json"))[name]
+margin, least = row["absent_recall"] - row["false_alarm"], CHECK_C[setting]
+passed = margin >= least
+atomic_write_json(runs / "check.json", {"check": f"C{setting}", "adapter": row["adapter"],
+                  "absent_recall": row["absent_recall"], "false_alarm": row["false_alarm"], "margin": margin,
+                  "rule": f"absent_recall - false_alarm >= {least}", "passed": passed})
+print(f"== check C{setting}: absent recall {row['absent_recall']:.3f} - false alarm {row['false_alarm']:.3f} = "
+      f"{margin:+.3f}, rule >= +{least:.2f}: {'passed, the gate runs follow' if passed else 'failed, the setting stops here'}")
+sys.exit(0 if passed else 1)
+PY
+}
+
 forgetting() {  # forgetting ADAPTER OUTPUT: the 197-question greedy check and the 1509-item probe, base and adapter
     step "forgetting $1" .venv/bin/python "$E/forgetting.py" "$1" "$2" "${SKILL[@]}"
 }
@@ -178,7 +208,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [feedback_learnability_lr]=runs/l49/probe.json
                   [carry_verdict_streams]=runs/s30/probe.json
                   [label_run_streams_lr]=runs/s31/probe.json
-                  [class_verdict_learnability]=runs/l50/probe.json)
+                  [class_verdict_learnability]=runs/l50/probe.json
+                  [closure_streams]=runs/s34/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -283,7 +314,8 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [24]=souped_streams [25]=summed_streams [26]=discovery_streams
                          [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams
                          [30]=carry_verdict_streams [31]=label_run_streams_lr
-                         [32]=feedback_learnability_lr [33]=class_verdict_learnability)
+                         [32]=feedback_learnability_lr [33]=class_verdict_learnability
+                         [34]=closure_streams)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -543,6 +575,14 @@ for target in "$@"; do
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/discovery_streams.yaml
             gate_two_seeds 26
             probe artifacts/discovery_streams/adapter runs/s26/probe.json ;;
+        s34)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained closure_streams || step s34 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/closure_streams.yaml
+            closure_check 34 setting34=artifacts/closure_streams/adapter setting26=$E/adapters/discovery_streams \
+                || exit 0
+            gate_two_seeds 34 || exit 1
+            probe artifacts/closure_streams/adapter runs/s34/probe.json ;;
         s23|s24|s25)
             output=${SETTING_OUTPUT[${target:1:2}]}
             derived "$output" || exit 1
@@ -599,7 +639,7 @@ for target in "$@"; do
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
                  "s29-forgetting, s30, s30-gate2-SEED-STRATEGY, s30-forgetting, s31, s31-gate2-SEED-STRATEGY," \
                  "s31-forgetting, s32, s32-gate2-SEED-STRATEGY, s32-forgetting, s33, s33-gate2-SEED-STRATEGY," \
-                 "s33-forgetting, probe-banking77-bootstrap, l48, l49, l50," \
+                 "s33-forgetting, s34, s34-gate2-SEED-STRATEGY, s34-forgetting, probe-banking77-bootstrap, l48, l49, l50," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

@@ -440,3 +440,36 @@ def test_setting_33_runs_gate_n_on_l50s_adapter_only_after_check_l50_passed(proj
     seed7, seed8 = _calls(project)
     assert "gate_naive_s33.yaml" in seed7 and seed7.endswith("evaluate.output_dir=artifacts/gate_naive_s33")
     assert seed8.endswith("--set icrl_eval.seed=8 --set evaluate.output_dir=artifacts/gate_naive_s33_seed8")
+
+
+def _closure(project: Path, absent_recall: float, false_alarm: float) -> None:
+    """Check C34's closure probe output, already written (so run.sh does not probe again)."""
+    runs = project / "runs" / "s34"
+    runs.mkdir(parents=True)
+    row = {"absent_recall": absent_recall, "false_alarm": false_alarm, "present_recall": 0.1}
+    (runs / "closure.json").write_text(json.dumps({
+        "setting34": {"adapter": "artifacts/closure_streams/adapter", **row},
+        "setting26": {"adapter": "experiments/icrl_stream_rl/adapters/discovery_streams", **row}}))
+
+
+def test_setting_34_runs_gate_e_only_after_its_closure_check_passes(project):
+    _kept(project, "bootstrap_h32")
+    _closure(project, 0.070, 0.010)
+    result = _run(project, "s34")
+    train, seed7, seed8, probe = _calls(project)
+    assert train.startswith("stage ppo ") and train.endswith(
+        "-c experiments/icrl_stream_rl/burn_in_streams.yaml -c experiments/icrl_stream_rl/closure_streams.yaml")
+    _assert_two_seed_gate("34", seed7, seed8)
+    assert "artifacts/closure_streams/adapter" in probe and "runs/s34/probe.json" in probe
+    assert "check C34: absent recall 0.070 - false alarm 0.010 = +0.060" in result.stdout
+    check = json.loads((project / "runs" / "s34" / "check.json").read_text())
+    assert check["passed"] is True and check["margin"] == pytest.approx(0.06)
+
+
+def test_setting_34_stops_at_a_failed_closure_check(project):
+    _kept(project, "bootstrap_h32")
+    _closure(project, 0.040, 0.002)
+    result = _run(project, "s34")
+    (train,) = _calls(project)  # trained, then stopped at check C34: no gate run
+    assert "closure_streams.yaml" in train and "failed, the setting stops here" in result.stdout
+    assert json.loads((project / "runs" / "s34" / "check.json").read_text())["passed"] is False

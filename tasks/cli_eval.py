@@ -1,5 +1,5 @@
 """CLI commands of the in-context RL evaluation harness: `icrl eval`, `icrl max-examples`, `icrl count-tokens`,
-`icrl inspect`, `icrl plot`, `icrl probe-feedback`, `icrl redact`, `icrl check-text`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
+`icrl inspect`, `icrl plot`, `icrl probe-feedback`, `icrl probe-closure`, `icrl redact`, `icrl check-text`. Each `icrl eval` flag sets one `icrl_eval.*` (or `model.*`) config key; `--set` can
 set any key."""
 
 import json
@@ -316,6 +316,56 @@ def register(app: typer.Typer) -> None:
         out.print("p(gold) after attempts marked wrong - p(gold) without context [95% interval]: " + ", ".join(
             f"n={n}: {gain:+.3f} [{result['gold_after_wrong_ci95'][n][0]:+.3f}, "
             f"{result['gold_after_wrong_ci95'][n][1]:+.3f}]" for n, gain in result["gold_after_wrong"].items()))
+        if output is not None:
+            out.print(f"wrote {output}")
+
+    @app.command("probe-closure")
+    def probe_closure_command(
+        task: Annotated[str | None, typer.Option(help="Task (default: icrl_eval.task).",
+                                                    show_default=False)] = None,
+        queries: Annotated[int, typer.Option(help="Probe queries per label (training examples).", min=1)] = 20,
+        episodes: Annotated[int, typer.Option(help="Rewarded episodes in each context.", min=1)] = 20,
+        adapter: Annotated[Path | None, typer.Option(help="Trained adapter folder to load on the model "
+                                                        "(model.init_adapter). Default: the base model.",
+                                                        show_default=False, **INPUT_FOLDER)] = None,
+        seed: Annotated[int | None, typer.Option(help="Seed of the queries' and contexts' draws "
+                                                    "(icrl_eval.seed).", show_default=False)] = None,
+        tasks_dir: Annotated[Path | None, typer.Option(help="Folder of the task folders (data.tasks_dir).",
+                                                          show_default=False, **INPUT_FOLDER)] = None,
+        model: Annotated[str | None, typer.Option(help="Model spec (model.spec).", show_default=False)] = None,
+        dtype: Annotated[Dtype | None, typer.Option(help="Weight dtype (model.dtype).",
+                                                       show_default=False)] = None,
+        threads: Annotated[int | None, typer.Option(help="torch CPU threads (0 = default).", min=0,
+                                                       show_default=False)] = None,
+        output: Annotated[Path | None, typer.Option(help="JSON file for the result (written atomically).",
+                                                       show_default=False, **OUTPUT_FILE)] = None,
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = True,
+        params: ParamsOpt = None,
+        overrides: SetOpt = None,
+    ) -> None:
+        """Does the model answer a label its context lacks? For each label X and training queries of X, a
+        context of rewarded episodes of the other labels is shown (the explorative view); the probe reports
+        p(X) there (absent recall), with one episode of X in the context (present recall), and p(X) for queries
+        of other labels (false alarm), under the harness's constrained decoding (temperature 1). Absent recall
+        near the false alarm: the model is closed over its context's labels, so explorative in-context RL never
+        finds the labels its context lacks (docs/EVAL.md)."""
+        from rich.table import Table
+
+        from tasks.icrl_eval import probe_closure
+
+        extra = _flag_overrides(task=task, seed=seed, tasks_dir=tasks_dir, model=model, adapter=adapter,
+                                dtype=dtype, threads=threads)
+        config = resolve_config(params, overrides, extra=extra)
+        result = probe_closure(config, queries, episodes, output=output, progress=progress)
+        table = Table("label", "absent recall", "present recall", "false alarm")
+        for label, row in result["labels"].items():
+            table.add_row(label, f"{row['absent_recall']:.3f}", f"{row['present_recall']:.3f}",
+                          f"{row['false_alarm']:.3f}")
+        table.add_row("mean", f"{result['absent_recall']:.3f}", f"{result['present_recall']:.3f}",
+                      f"{result['false_alarm']:.3f}")
+        out = console()
+        out.print(table)
+        out.print(f"absent recall - false alarm: {result['absent_recall'] - result['false_alarm']:+.3f}")
         if output is not None:
             out.print(f"wrote {output}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import textwrap
 import time
@@ -516,11 +517,80 @@ def measure_feedback(config: PipelineConfig, policy, target: str, counts: Sequen
     return result
 
 
+def probe_closure(config: PipelineConfig, n_queries: int, episodes: int, output: Path | None = None,
+                  progress: bool = True) -> dict:
+    """The label-closure probe (icrl_core.closure_probe) on icrl_eval.task's training split with model.spec (and
+    model.init_adapter if set), seeded by icrl_eval.seed; written atomically to `output` as JSON when given, and
+    tracked as an MLflow run (stage `probe_closure`)."""
+    import torch
+
+    from icrl_core.closure_probe import closure_draws, label_closure
+    from icrl_core.icrl_eval import Predictor
+    from icrl_core.inference.torch_backend import TorchEngine
+
+    cfg = config.icrl_eval
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task = load_eval_task(config)
+    for label in task.labels:  # bad sizes (or a task too small for them) fail before the model loads
+        closure_draws(task, label, n_queries, episodes, cfg.seed)
+    started = time.perf_counter()
+    policy = load_eval_policy(config)
+    adapter = str(config.model.init_adapter) if config.model.init_adapter is not None else None
+    predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, 1.0,
+                          engine=TorchEngine.from_config(config, policy), adapter=adapter)
+    bar = _progress(3 * n_queries * len(task.labels), 0, progress, "closure probe")
+    try:
+        result = label_closure(predictor, task, n_queries, episodes, cfg.seed, on_query=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    result.update(model=config.model.spec, dtype=config.model.dtype, adapter=adapter,
+                  seconds=time.perf_counter() - started)
+    if output is not None:
+        atomic_write_json(output, result)
+    _track_closure(config, result, output)
+    return result
+
+
+def _track_closure(config: PipelineConfig, result: dict, output: Path | None) -> None:
+    """The closure probe as an MLflow run: its settings as params, the three means and each label's as metrics,
+    the result JSON as an artifact."""
+    from tasks.tracking import stage_run
+
+    with stage_run(config, "probe_closure", run_name=f"probe-closure-{result['task']}") as tracker:
+        tracker.log_params({"probe.queries": result["queries"], "probe.episodes": result["episodes"]})
+        keys = ("absent_recall", "present_recall", "false_alarm")
+        metrics = {key: result[key] for key in keys}
+        metrics["absent_recall_margin"] = result["absent_recall"] - result["false_alarm"]
+        # per label, its name made a valid MLflow metric key (letters, digits, _ - . / and space)
+        metrics |= {f"{key}/{_metric_name(label)}": row[key] for label, row in result["labels"].items() for key in keys}
+        tracker.log_metrics(metrics)
+        if tracker.enabled:
+            _log_json_artifact(tracker, result, output, "probe_closure")
+
+
+def _metric_name(label: str) -> str:
+    """A label as part of an MLflow metric key (letters, digits, _ - . and space)."""
+    return re.sub(r"[^\w\-. ]", "_", label)
+
+
+def _log_json_artifact(tracker, result: dict, output: Path | None, name: str) -> None:
+    """`output` if the result was written there, else the result in a temporary file NAME.json, under NAME/."""
+    import tempfile
+
+    if output is not None:
+        tracker.log_artifact(output, artifact_path=name)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{name}.json"
+        atomic_write_json(path, result)
+        tracker.log_artifact(path, artifact_path=name)
+
+
 def _track_probe(config: PipelineConfig, result: dict, output: Path | None) -> None:
     """The probe as an MLflow run: the config and the probe's settings as params, p(target), p(gold) per
     condition and the feedback effect per n as metrics, the result JSON as an artifact."""
-    import tempfile
-
     from tasks.tracking import stage_run
 
     with stage_run(config, "probe_feedback", run_name=f"probe-feedback-{result['task']}-{result['target']}",
@@ -534,15 +604,8 @@ def _track_probe(config: PipelineConfig, result: dict, output: Path | None) -> N
                     for side, bound in zip(("low", "high"), bounds)}
         metrics |= {f"gold_after_wrong_n{n}": gain for n, gain in result["gold_after_wrong"].items()}
         tracker.log_metrics(metrics)
-        if not tracker.enabled:
-            return
-        if output is not None:
-            tracker.log_artifact(output, artifact_path="probe_feedback")
-            return
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "probe_feedback.json"
-            atomic_write_json(path, result)
-            tracker.log_artifact(path, artifact_path="probe_feedback")
+        if tracker.enabled:
+            _log_json_artifact(tracker, result, output, "probe_feedback")
 
 
 def _about(info: dict) -> dict:

@@ -48,7 +48,7 @@ GATE_MARGIN = 0.2
 # run.sh's probe_check stops a setting below it
 CHECK_P = {"29": 0.10, "30": 0.10, "31": 0.10}
 # Check C (addendum 55): the closure probe's absent recall - false alarm at least this, per setting.
-CHECK_C = {"34": 0.05}
+CHECK_C = {"34": 0.05, "35": 0.05}
 CONTEXTS = ("n0", "n1_wrong", "n1_right", "n4_wrong", "n4_right")
 
 
@@ -174,6 +174,28 @@ def forgetting_row(path: Path) -> dict:
             "wall": f"{measured['seconds']} s for both models"}
 
 
+def closure_row(run_dir: Path, check_dir: Path) -> dict:
+    """A setting decided by check C (addendum 55): its training (validation streams of the training tasks at
+    every evaluation, the trained steps' gold-absent and discovery rates, compute), every adapter the check's
+    closure probe measured (closure.json) and the verdict (check.json, written by run.sh's closure_check)."""
+    history = json.loads((run_dir / "history.json").read_text())
+    evals = json.loads((run_dir / "evals.json").read_text())
+    probed = json.loads((check_dir / "closure.json").read_text())
+    check = json.loads((check_dir / "check.json").read_text())
+    return {"run": str(run_dir),
+            "validation_training_tasks": [{"iteration": e["step"], "val_reward": round(e["val_reward"], 4),
+                                           "val_gold_absent_rate": round(e["val_gold_absent_rate"], 4),
+                                           "val_novel_rate": round(e["val_novel_rate"], 4)} for e in evals],
+            "trained_steps": {key: round(sum(h[key] for h in history) / len(history), 4)
+                              for key in ("gold_absent_rate", "novel_rate", "mean_reward")},
+            "compute": compute(run_dir),
+            "closure_probe": {name: {key: round(row[key], 4) if isinstance(row[key], float) else row[key]
+                                     for key in ("adapter", "absent_recall", "present_recall", "false_alarm",
+                                                 "queries", "episodes", "seed", "task")}
+                              for name, row in probed.items()},
+            "check_c": {"rule": check["rule"], "margin": round(check["margin"], 4), "passed": check["passed"]}}
+
+
 def setting_order(name: str) -> tuple[int, str]:
     """'2' < '10a': settings sort by their number, then their letter."""
     digits = name.rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -198,6 +220,9 @@ def main() -> None:
     parser.add_argument("--training-task-probe", action="append", default=[],
                         help="NAME=PROBE_JSON: the feedback probe on a training task (banking77, addendum 47) of "
                              "a setting's adapter, or of the bootstrap's (NAME bootstrap)")
+    parser.add_argument("--closure-check", action="append", default=[],
+                        help="NAME=RUN_DIR:CHECK_DIR: a setting decided by check C (addendum 55): its ppo output "
+                             "and the folder of its closure.json and check.json")
     args = parser.parse_args()
     results = read_results() if RESULTS.exists() else {"gate1_margin": GATE_MARGIN, "settings": {}}
     if args.bootstrap_probe:
@@ -226,6 +251,10 @@ def main() -> None:
             results["bootstrap_probe_training_task"] = row
         else:
             results["settings"][name]["probe_training_task"] = row
+    for item in args.closure_check:
+        name, paths = item.split("=", 1)
+        run_dir, check_dir = paths.split(":", 1)
+        results.setdefault("closure_checks", {})[name] = closure_row(Path(run_dir), Path(check_dir))
     for item in args.ablation:
         arm, paths = item.split("=", 1)
         run_dir, probe = paths.split(":", 1)
@@ -237,6 +266,9 @@ def main() -> None:
     write_results(results)
     for name, s in results["settings"].items():
         print(f"setting {name}: gap {s['gate1_gap']:+.3f} -> {verdict(s)}")
+    for name, c in results.get("closure_checks", {}).items():
+        print(f"setting {name}: closure margin {c['check_c']['margin']:+.3f} -> "
+              f"check C {'passed' if c['check_c']['passed'] else 'failed'}")
     for arm, a in results.get("ablation", {}).items():
         print(f"ablation {arm}: gap {a['gate1_gap']:+.3f} -> {verdict(a)}")
 

@@ -62,6 +62,10 @@
 #                 (the closure probe of its adapter and setting 26's; absent recall - false alarm >= collect.CHECK_C,
 #                 else it stops), gate E34 at seeds 7 and 8 (explorative, 1000 steps; test steps 499-999), its probe
 #   s34-gate2-SEED-STRATEGY, s34-forgetting  as for s15, for setting 34 (only if gate E34 passes)
+#   s35           setting 35 (addendum 56): setting 34 on the named-label tasks only, then check C35 (the closure
+#                 probe of its adapter and setting 34's, retrained when absent; as C34), gate E35 at seeds 7 and 8
+#                 (explorative, 1000 steps; test steps 499-999), its probe
+#   s35-gate2-SEED-STRATEGY, s35-forgetting  as for s15, for setting 35 (only if gate E35 passes)
 #   s28-gate2-SEED-STRATEGY, s28-forgetting  as for s15, for setting 28 (only if gate E28 passes)
 #   s29           setting 29 (addendum 47): setting 18 with every stream's queries in label runs (repeat_label
 #                 0.5), then its probe (trec_coarse, and banking77 reported), check P29 (the trec_coarse probe's
@@ -209,7 +213,8 @@ declare -A FINAL=([dpo_one_stage]=runs/s14/probe.json [explorative_streams]=runs
                   [carry_verdict_streams]=runs/s30/probe.json
                   [label_run_streams_lr]=runs/s31/probe.json
                   [class_verdict_learnability]=runs/l50/probe.json
-                  [closure_streams]=runs/s34/probe.json)
+                  [closure_streams]=runs/s34/probe.json
+                  [named_closure_streams]=runs/s35/probe.json)
 
 unpark() {  # restore what park kept: a checkpoint unless its stage already has that step or a later one, a
             # trained output folder unless its adapter is there, evaluation work folders not there yet
@@ -315,7 +320,7 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams
                          [30]=carry_verdict_streams [31]=label_run_streams_lr
                          [32]=feedback_learnability_lr [33]=class_verdict_learnability
-                         [34]=closure_streams)
+                         [34]=closure_streams [35]=named_closure_streams)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -583,6 +588,18 @@ for target in "$@"; do
                 || exit 0
             gate_two_seeds 34 || exit 1
             probe artifacts/closure_streams/adapter runs/s34/probe.json ;;
+        s35)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained named_closure_streams || step s35 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/closure_streams.yaml \
+                -c $E/named_closure_streams.yaml
+            [[ -f runs/s35/closure.json ]] || trained closure_streams || step s34 "$ICRL" stage ppo "${SKILL[@]}" \
+                -c $E/stream_rl.yaml -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml \
+                -c $E/closure_streams.yaml
+            closure_check 35 setting35=artifacts/named_closure_streams/adapter \
+                setting34=artifacts/closure_streams/adapter || exit 0
+            gate_two_seeds 35 || exit 1
+            probe artifacts/named_closure_streams/adapter runs/s35/probe.json ;;
         s23|s24|s25)
             output=${SETTING_OUTPUT[${target:1:2}]}
             derived "$output" || exit 1
@@ -639,7 +656,8 @@ for target in "$@"; do
                  "s27-forgetting, s28, s28-gate2-SEED-STRATEGY, s28-forgetting, s29, s29-gate2-SEED-STRATEGY," \
                  "s29-forgetting, s30, s30-gate2-SEED-STRATEGY, s30-forgetting, s31, s31-gate2-SEED-STRATEGY," \
                  "s31-forgetting, s32, s32-gate2-SEED-STRATEGY, s32-forgetting, s33, s33-gate2-SEED-STRATEGY," \
-                 "s33-forgetting, s34, s34-gate2-SEED-STRATEGY, s34-forgetting, probe-banking77-bootstrap, l48, l49, l50," \
+                 "s33-forgetting, s34, s34-gate2-SEED-STRATEGY, s34-forgetting, s35, s35-gate2-SEED-STRATEGY," \
+                 "s35-forgetting, probe-banking77-bootstrap, l48, l49, l50," \
                  "ablation-{ppo,grpo,rloo,dpo_rank}, probe-bootstrap, cd-{plain,distill}, cd-eval-SEED-ARM, final-TASK, park)" >&2
             exit 2 ;;
     esac

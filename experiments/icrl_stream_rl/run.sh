@@ -63,7 +63,7 @@
 #                 else it stops), gate E34 at seeds 7 and 8 (explorative, 1000 steps; test steps 499-999), its probe
 #   s34-gate2-SEED-STRATEGY, s34-forgetting  as for s15, for setting 34 (only if gate E34 passes)
 #   s35           setting 35 (addendum 56): setting 34 on the named-label tasks only, then check C35 (the closure
-#                 probe of its adapter and setting 34's, retrained when absent; as C34), gate E35 at seeds 7 and 8
+#                 probe of its adapter, and setting 34's when it is there (addendum 57); as C34), gate E35 at seeds 7 and 8
 #                 (explorative, 1000 steps; test steps 499-999), its probe
 #   s35-gate2-SEED-STRATEGY, s35-forgetting  as for s15, for setting 35 (only if gate E35 passes)
 #   s28-gate2-SEED-STRATEGY, s28-forgetting  as for s15, for setting 28 (only if gate E28 passes)
@@ -593,11 +593,10 @@ for target in "$@"; do
             trained named_closure_streams || step s35 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
                 -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml -c $E/closure_streams.yaml \
                 -c $E/named_closure_streams.yaml
-            [[ -f runs/s35/closure.json ]] || trained closure_streams || step s34 "$ICRL" stage ppo "${SKILL[@]}" \
-                -c $E/stream_rl.yaml -c $E/explorative_streams.yaml -c $E/burn_in_streams.yaml \
-                -c $E/closure_streams.yaml
-            closure_check 35 setting35=artifacts/named_closure_streams/adapter \
-                setting34=artifacts/closure_streams/adapter || exit 0
+            # addendum 57: setting 34's adapter (it decides nothing) is probed beside it only when it is there
+            beside=()
+            trained closure_streams && beside=(setting34=artifacts/closure_streams/adapter)
+            closure_check 35 setting35=artifacts/named_closure_streams/adapter "${beside[@]}" || exit 0
             gate_two_seeds 35 || exit 1
             probe artifacts/named_closure_streams/adapter runs/s35/probe.json ;;
         s23|s24|s25)

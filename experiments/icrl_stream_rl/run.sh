@@ -89,6 +89,9 @@
 #   l49           addendum 49's check L49: L48 at five times the learning rate (run only if L48 fails)
 #   l50           addendum 53's check L50: L49 with each stream's queries drawn independently (repeat_label 0),
 #                 then its decision (runs/l50/check.json: reward gain >= +0.10) and both probes
+#   l51           addendum 58's check L51, no training: p(gold) of the base model and the H32 bootstrap on check
+#                 L50's kind of streams with gold-labelled, right-marked and verdict-marked contexts
+#                 (class_verdict_ceiling.py, runs/l51/ceiling.json)
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -513,6 +516,11 @@ for target in "$@"; do
         l50)
             learnability_check l50 class_verdict_learnability -c $E/feedback_learnability.yaml \
                 -c $E/feedback_learnability_lr.yaml -c $E/class_verdict_learnability.yaml ;;
+        l51)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            mkdir -p runs/l51
+            step l51 .venv/bin/python $E/class_verdict_ceiling.py base=base bootstrap=artifacts/bootstrap/adapter \
+                --output runs/l51/ceiling.json ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;

@@ -124,11 +124,22 @@ def verdict(results: dict, name: str) -> dict:
                     "else already read"}
 
 
+def reading_check(results: dict, trained: str, start: str, gain: float = 0.10) -> dict:
+    """Addendum 59's check L52: passed when `trained`'s verdict p(gold) on steps 4-7 is at least `start`'s + `gain`."""
+    mine, theirs = results[trained]["verdict"]["late"]["p_gold"], results[start]["verdict"]["late"]["p_gold"]
+    delta = round(mine - theirs, 9)  # rounded: a gain exactly at the threshold must not fail on a float's last bit
+    return {"model": trained, "start": start, "verdict_late": mine, "start_verdict_late": theirs,
+            "gain": round(delta, 4), "verdict": "passed" if delta >= gain else "failed",
+            "rule": f"verdict_late({trained}) - verdict_late({start}) >= +{gain}"}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("adapters", nargs="+", help="NAME=ADAPTER (ADAPTER: an adapter folder or 'base')")
     parser.add_argument("--tasks", type=int, default=64)
     parser.add_argument("--decide", default="bootstrap", help="the model whose numbers decide (addendum 58)")
+    parser.add_argument("--check", metavar="TRAINED", help="addendum 59's check L52 on model TRAINED against the "
+                        "--decide model (instead of addendum 58's reading)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     from tasks.settings import load_config, with_overrides
@@ -145,7 +156,9 @@ def main(argv=None) -> int:
             results[name] = probe(config, adapter, tasks)
             results[name]["seconds"] = round(time.monotonic() - start, 1)
             print(f"== {name} done in {results[name]['seconds']} s", flush=True)
-        if args.decide in results:
+        if args.check:
+            results["decision"] = reading_check(results, args.check, args.decide)
+        elif args.decide in results:
             results["decision"] = verdict(results, args.decide)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -92,6 +92,10 @@
 #   l51           addendum 58's check L51, no training: p(gold) of the base model and the H32 bootstrap on check
 #                 L50's kind of streams with gold-labelled, right-marked and verdict-marked contexts
 #                 (class_verdict_ceiling.py, runs/l51/ceiling.json)
+#   l52           addendum 59's check L52: L50 with a shared 6-query burn-in at temperature 100 before 4 trained
+#                 steps, 4 groups, then its decision (L51's probe of its adapter beside the bootstrap's,
+#                 runs/l52/ceiling.json: verdict p(gold) gain >= +0.10) and both feedback probes
+#   s36           setting 36 (addendum 59): no training, gate N on check L52's adapter as it is, only if L52 passed
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -521,6 +525,27 @@ for target in "$@"; do
             mkdir -p runs/l51
             step l51 .venv/bin/python $E/class_verdict_ceiling.py base=base bootstrap=artifacts/bootstrap/adapter \
                 --output runs/l51/ceiling.json ;;
+        l52)
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            trained verdict_reading_streams || step l52 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml \
+                -c $E/class_verdict_learnability.yaml -c $E/verdict_reading_streams.yaml
+            mkdir -p runs/l52
+            [[ -f runs/l52/ceiling.json ]] || step "check L52" .venv/bin/python $E/class_verdict_ceiling.py \
+                base=base bootstrap=artifacts/bootstrap/adapter trained=artifacts/verdict_reading_streams/adapter \
+                --check trained --output runs/l52/ceiling.json
+            [[ -f runs/l52/probe-banking77.json ]] || probe_banking77 artifacts/verdict_reading_streams/adapter \
+                runs/l52/probe-banking77.json
+            [[ -f runs/l52/probe.json ]] || probe artifacts/verdict_reading_streams/adapter runs/l52/probe.json ;;
+        s36)  # addendum 59: no training, gate N on check L52's adapter as it is, only if L52 passed
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            if ! grep -q '"verdict": "passed"' runs/l52/ceiling.json 2>/dev/null; then
+                echo "run.sh s36: setting 36 runs only after check L52 passed (runs/l52/ceiling.json; run l52 first)" >&2
+                exit 2
+            fi
+            trained verdict_reading_streams ||
+                { echo "run.sh s36: run l52 first (artifacts/verdict_reading_streams)" >&2; exit 2; }
+            gate_naive_two_seeds 36 || exit 1 ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;

@@ -5,7 +5,7 @@ where it is the only signal? Reads the ppo stage's evals.json and writes the dec
         artifacts/feedback_learnability/evals.json runs/l48/check.json
 
 and records a finished check in results.json (its decision, the training streams per block of 10 iterations, both
-probes of its adapter, wall time):
+probes of its adapter, wall time; a check without training, L51, by `--record-ceiling L51 runs/l51`):
 
     .venv/bin/python experiments/icrl_stream_rl/check_learnability.py --record L48 \
         artifacts/feedback_learnability runs/l48
@@ -80,20 +80,43 @@ def training_blocks(history: list[dict], size: int = 10) -> list[dict]:
             for rows in (history[i:i + size] for i in range(0, len(history), size))]
 
 
+# checks decided by class_verdict_ceiling.py's probe (runs/CHECK/ceiling.json), not by the validation streams
+CEILING_DECIDED = {"l52"}
+
+
+def record_ceiling(name: str, runs: Path) -> None:
+    """results.json's `learnability[name]` for a check without training (L51): its probe file and decision."""
+    from collect import read_results, write_results
+
+    ceiling = json.loads((runs / "ceiling.json").read_text())
+    results = read_results()
+    results.setdefault("learnability", {})[name] = {"check": ceiling["decision"], "ceiling": ceiling}
+    write_results(results)
+    print(f"recorded {name}: {ceiling['decision'].get('verdict', ceiling['decision'].get('outcome'))}")
+
+
 def record(name: str, run_dir: Path, runs: Path) -> None:
     """results.json's `learnability[name]`: the check, its training record, its compute (collect.compute) and its
-    adapter's two probes (collect.probe_row, with the probe's own feedback effects)."""
+    adapter's two probes (collect.probe_row, with the probe's own feedback effects). A check in CEILING_DECIDED
+    takes its decision from its ceiling probe and keeps the validation curve beside it."""
     from collect import compute, probe_row, read_results, write_results
 
     probes = {}
     for key, file in (("trec_coarse", "probe.json"), ("banking77", "probe-banking77.json")):
         effect = json.loads((runs / file).read_text())["feedback_effect"]
         probes[key] = {**probe_row(runs / file), "effect": {n: round(v, 4) for n, v in effect.items()}}
+    evals = json.loads((run_dir / "evals.json").read_text())
+    if name.lower() in CEILING_DECIDED:
+        ceiling = json.loads((runs / "ceiling.json").read_text())
+        check = {**ceiling["decision"], "curve": decision(evals, None)["curve"]}
+        extra = {"ceiling": ceiling}
+    else:
+        check, extra = check_decision(name, evals), {}
     results = read_results()
     results.setdefault("learnability", {})[name] = {
-        "run": str(run_dir), "check": check_decision(name, json.loads((run_dir / "evals.json").read_text())),
+        "run": str(run_dir), "check": check,
         "training_blocks": training_blocks(json.loads((run_dir / "history.json").read_text())), "probes": probes,
-        "compute": compute(run_dir)}
+        "compute": compute(run_dir), **extra}
     write_results(results)
     print(f"recorded {name}: {results['learnability'][name]['check']['verdict']}")
 
@@ -101,6 +124,9 @@ def record(name: str, run_dir: Path, runs: Path) -> None:
 def main() -> None:
     if sys.argv[1] == "--record":
         record(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
+        return
+    if sys.argv[1] == "--record-ceiling":
+        record_ceiling(sys.argv[2], Path(sys.argv[3]))
         return
     evals, output = Path(sys.argv[1]), Path(sys.argv[2])
     if output.parent.name.lower() not in RULES:

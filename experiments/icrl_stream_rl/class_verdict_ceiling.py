@@ -115,7 +115,7 @@ def verdict(results: dict, name: str) -> dict:
     gold, reading = row["gold"]["late"]["p_gold"], row["verdict"]["late"]["p_gold"]
     if gold < 0.60:
         outcome = "ceiling"  # even gold-labelled examples of the query's class are not used
-    elif reading < gold - 0.10:
+    elif round(reading - gold, 9) < -0.10:  # rounded: a gap exactly at 0.10 must not turn on a float's last bit
         outcome = "reading gap"  # the information is used as gold labels, not as verdicts
     else:
         outcome = "already read"

@@ -258,3 +258,33 @@ def test_learnability_training_blocks_average_per_ten_iterations_and_skip_missin
     assert [b["iterations"] for b in blocks] == [[1, 10], [11, 12]]
     assert blocks[0]["switch_after_wrong"] == 0.2 and blocks[0]["redrawn_groups"] == 10
     assert blocks[1]["redrawn_groups"] == 2 and blocks[1]["mean_reward"] == 0.5
+
+
+def _ceiling():
+    spec = importlib.util.spec_from_file_location("class_verdict_ceiling",
+                                                  ROOT / "experiments" / "icrl_stream_rl" / "class_verdict_ceiling.py")
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+    return ceiling
+
+
+def test_class_verdict_ceiling_categories_and_the_readings_of_checks_l51_and_l52():
+    """Addendum 58: a step's category is the verdict on the latest past query of its class; L51's outcome is
+    "ceiling" below 0.60 with gold labels, "reading gap" when verdicts give 0.10 less, else "already read".
+    Addendum 59: L52 passes when the trained adapter's verdict p(gold) is at least the start's + 0.10."""
+    from icrl_core.icrl_eval import EpisodeRecord
+
+    ceiling = _ceiling()
+    records = [EpisodeRecord(0, "q0", "A", "A", 1, 1), EpisodeRecord(1, "q1", "B", "A", 0, 0),
+               EpisodeRecord(2, "q2", "A", "B", 0, 0), EpisodeRecord(3, "q3", "B", "B", 1, 1)]
+    assert [ceiling.category(records, t) for t in range(4)] == ["none", "none", "right", "wrong"]
+
+    def model(gold, verdict):
+        return {"gold": {"late": {"p_gold": gold}}, "verdict": {"late": {"p_gold": verdict}}}
+
+    outcomes = [ceiling.verdict({"m": model(g, v)}, "m")["outcome"] for g, v in ((0.59, 0.9), (0.8, 0.69),
+                                                                                 (0.8, 0.70))]
+    assert outcomes == ["ceiling", "reading gap", "already read"]
+    results = {"start": model(0.9, 0.55), "trained": model(0.9, 0.65), "short": model(0.9, 0.6499)}
+    assert ceiling.reading_check(results, "trained", "start")["verdict"] == "passed"  # exactly +0.10
+    assert ceiling.reading_check(results, "short", "start")["verdict"] == "failed"

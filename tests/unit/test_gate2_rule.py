@@ -207,12 +207,16 @@ def test_a_part_collected_in_a_later_session_joins_the_kept_seed():
     assert collect_gate2.merge_parts(again, finished)["seconds"] == 150.0  # collected twice: counted once
 
 
+def _experiment_script(name: str):
+    """experiments/icrl_stream_rl/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / "icrl_stream_rl" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _check_learnability():
-    spec = importlib.util.spec_from_file_location("check_learnability",
-                                                  ROOT / "experiments" / "icrl_stream_rl" / "check_learnability.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    return check
+    return _experiment_script("check_learnability")
 
 
 def test_learnability_check_needs_the_switch_contrast_and_the_reward_gain_at_iteration_60():
@@ -261,11 +265,7 @@ def test_learnability_training_blocks_average_per_ten_iterations_and_skip_missin
 
 
 def _ceiling():
-    spec = importlib.util.spec_from_file_location("class_verdict_ceiling",
-                                                  ROOT / "experiments" / "icrl_stream_rl" / "class_verdict_ceiling.py")
-    ceiling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ceiling)
-    return ceiling
+    return _experiment_script("class_verdict_ceiling")
 
 
 def test_class_verdict_ceiling_categories_and_the_readings_of_checks_l51_and_l52():

@@ -33,6 +33,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from named_args import named_pairs
+
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json
 
@@ -148,10 +151,7 @@ def main(argv=None) -> int:
         config = with_overrides(load_config([ROOT / layer for layer in LAYERS]), {"model.dtype": "float32"})
         tasks = stream_tasks(config, args.tasks)
         results: dict = {"tasks": args.tasks, "seed": SEED, "steps": len(tasks[0].queries)}
-        for item in args.adapters:
-            if "=" not in item:
-                raise UserError(f"'{item}': expected NAME=ADAPTER")
-            name, adapter = item.split("=", 1)
+        for name, adapter in named_pairs(args.adapters):
             start = time.monotonic()
             results[name] = probe(config, adapter, tasks)
             results[name]["seconds"] = round(time.monotonic() - start, 1)

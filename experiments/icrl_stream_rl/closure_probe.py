@@ -14,6 +14,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from named_args import named_pairs
+
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json
 
@@ -44,10 +47,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = {}
     try:
-        for item in args.adapters:
-            if "=" not in item:
-                raise UserError(f"'{item}': expected NAME=ADAPTER")
-            name, adapter = item.split("=", 1)
+        for name, adapter in named_pairs(args.adapters):
             results[name] = {"adapter": adapter, **probe(args.task, adapter, args.queries, args.episodes, args.seed)}
             row = results[name]
             print(f"{name}: absent_recall {row['absent_recall']:.3f}, present_recall {row['present_recall']:.3f}, "

@@ -34,6 +34,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from named_args import named_pairs
+
 from icrl_core.errors import UserError
 from icrl_core.io import atomic_write_json, read_user_text
 
@@ -104,12 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     try:
-        pairs = []
-        for item in args.runs:
-            if "=" not in item:
-                raise UserError(f"'{item}': expected RUN_DIR=ADAPTER")
-            run, adapter = item.split("=", 1)
-            pairs.append((Path(run), adapter))
+        pairs = [(Path(run), adapter) for run, adapter in named_pairs(args.runs, "RUN_DIR=ADAPTER")]
         results = [run_sharpness(run, adapter, set(args.steps) if args.steps else None) for run, adapter in pairs]
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -288,3 +288,14 @@ def test_class_verdict_ceiling_categories_and_the_readings_of_checks_l51_and_l52
     results = {"start": model(0.9, 0.55), "trained": model(0.9, 0.65), "short": model(0.9, 0.6499)}
     assert ceiling.reading_check(results, "trained", "start")["verdict"] == "passed"  # exactly +0.10
     assert ceiling.reading_check(results, "short", "start")["verdict"] == "failed"
+
+
+def test_named_pairs_split_at_the_first_equals_and_name_the_expected_form_on_a_bad_item():
+    """The experiment scripts' NAME=ADAPTER arguments: a value may hold '='; a missing side is a user error."""
+    from icrl_core.errors import UserError
+
+    named_pairs = _experiment_script("named_args").named_pairs
+    assert named_pairs(["start=base", "rl=a=b/adapter"]) == [("start", "base"), ("rl", "a=b/adapter")]
+    for bad in ("base", "=base", "start="):
+        with pytest.raises(UserError, match="expected RUN_DIR=ADAPTER"):
+            named_pairs([bad], "RUN_DIR=ADAPTER")

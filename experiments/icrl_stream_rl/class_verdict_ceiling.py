@@ -16,9 +16,12 @@ wrong (marked wrong: a reader answers the other label). A reader that recognises
 1 - 0.5^(t+1) at step t (0.985 on steps 4-7); one that ignores the context 0.5.
 
     .venv/bin/python experiments/icrl_stream_rl/class_verdict_ceiling.py NAME=ADAPTER [NAME=ADAPTER ...] \
-        [--tasks 64] [--output F]                      # ADAPTER: a PEFT adapter folder, or 'base'
+        [--tasks 64] [--layer F.yaml ...] [--split val|train] [--output F]   # ADAPTER: a PEFT adapter folder, or 'base'
 
-The config is check L50's (run.sh's layers), float32; run from the project root.
+The config is check L50's (run.sh's layers), float32; run from the project root. `--layer` adds config layers
+after them (addendum 60's check L53 draws its streams from trec_coarse's named labels this way) and `--split` picks
+the pool the queries come from (val: the task's test split, as checks L51 and L52 drew from the training tasks;
+train: the one a held-out task's evaluations never read).
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ LATE = range(4, 8)  # the steps the decision reads: the last half of an 8-query 
 SEED = 51
 
 
-def stream_tasks(config, n_tasks: int):
+def stream_tasks(config, n_tasks: int, split: str = "val"):
     from icrl_core.dataset_build import resolve_sources
     from icrl_core.streams import sample_stream_task
 
     sources = resolve_sources(config.data, config.seed)
     steps = config.ppo.stream.burn_in + config.ppo.stream.steps
-    return [sample_stream_task(sources, config.data, steps, SEED, f"ceiling-{i}", "val",
+    return [sample_stream_task(sources, config.data, steps, SEED, f"ceiling-{i}", split,
                                repeat_label=config.ppo.stream.repeat_label) for i in range(n_tasks)]
 
 
@@ -143,21 +146,30 @@ def main(argv=None) -> int:
     parser.add_argument("--decide", default="bootstrap", help="the model whose numbers decide (addendum 58)")
     parser.add_argument("--check", metavar="TRAINED", help="addendum 59's check L52 on model TRAINED against the "
                         "--decide model (instead of addendum 58's reading)")
+    parser.add_argument("--gain", type=float, default=0.10, help="--check's threshold (addendum 59: 0.10; "
+                        "addendum 60's check L53: 0.08)")
+    parser.add_argument("--layer", type=Path, action="append", default=[],
+                        help="a config layer after check L50's (repeatable)")
+    parser.add_argument("--split", choices=("val", "train"), default="val")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     from tasks.settings import load_config, with_overrides
 
     try:
-        config = with_overrides(load_config([ROOT / layer for layer in LAYERS]), {"model.dtype": "float32"})
-        tasks = stream_tasks(config, args.tasks)
-        results: dict = {"tasks": args.tasks, "seed": SEED, "steps": len(tasks[0].queries)}
+        layers = [ROOT / layer for layer in LAYERS] + list(args.layer)
+        config = with_overrides(load_config(layers), {"model.dtype": "float32"})
+        tasks = stream_tasks(config, args.tasks, args.split)
+        results: dict = {"tasks": args.tasks, "seed": SEED, "steps": len(tasks[0].queries), "split": args.split,
+                         "layers": [str(layer) for layer in args.layer],
+                         "sources": sorted({task.name for task in tasks}),
+                         "labels": sorted({len(task.labels) for task in tasks})}
         for name, adapter in named_pairs(args.adapters):
             start = time.monotonic()
             results[name] = probe(config, adapter, tasks)
             results[name]["seconds"] = round(time.monotonic() - start, 1)
             print(f"== {name} done in {results[name]['seconds']} s", flush=True)
         if args.check:
-            results["decision"] = reading_check(results, args.check, args.decide)
+            results["decision"] = reading_check(results, args.check, args.decide, args.gain)
         elif args.decide in results:
             results["decision"] = verdict(results, args.decide)
     except UserError as error:

@@ -96,6 +96,13 @@
 #                 steps, 4 groups, then its decision (L51's probe of its adapter beside the bootstrap's,
 #                 runs/l52/ceiling.json: verdict p(gold) gain >= +0.10) and both feedback probes
 #   s36           setting 36 (addendum 59): no training, gate N on check L52's adapter as it is, only if L52 passed
+#   l53           addendum 60's check L53, no training: L51's probe on 2-label streams of trec_coarse's named labels
+#                 (its train split) of the base model, the H32 bootstrap and check L52's adapter: "carries" when the
+#                 adapter's verdict p(gold) gain is >= +0.08 (runs/l53/ceiling.json, "passed"); the 6-label streams
+#                 reported (runs/l53/ceiling-six.json)
+#   s37           setting 37 (addendum 60), only if gate N36 failed and check L53 read "does not carry": check L52's
+#                 stage continued from its adapter on the four training tasks' streams, 40 iterations, check L54
+#                 (L53's probe of its adapter: verdict gain >= +0.08, runs/s37/ceiling.json), then gate N37
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -546,6 +553,47 @@ for target in "$@"; do
             trained verdict_reading_streams ||
                 { echo "run.sh s36: run l52 first (artifacts/verdict_reading_streams)" >&2; exit 2; }
             gate_naive_two_seeds 36 || exit 1 ;;
+        l53)  # addendum 60: no training
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            restore_kept verdict_reading_streams artifacts/verdict_reading_streams/adapter || exit 1
+            mkdir -p runs/l53
+            [[ -f runs/l53/ceiling.json ]] || step "check L53" .venv/bin/python $E/class_verdict_ceiling.py \
+                base=base bootstrap=artifacts/bootstrap/adapter trained=artifacts/verdict_reading_streams/adapter \
+                --layer $E/trec_verdict_probe.yaml --split train --check trained --gain 0.08 \
+                --output runs/l53/ceiling.json || exit 1
+            [[ -f runs/l53/ceiling-six.json ]] || step "check L53, six labels" .venv/bin/python \
+                $E/class_verdict_ceiling.py base=base bootstrap=artifacts/bootstrap/adapter \
+                trained=artifacts/verdict_reading_streams/adapter --layer $E/trec_verdict_probe.yaml \
+                --layer $E/trec_verdict_probe_six.yaml --split train --check trained --gain 0.08 \
+                --output runs/l53/ceiling-six.json || exit 1 ;;
+        s37)  # addendum 60: only if gate N36 failed and check L53 read "does not carry"
+            if ! .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1]))
+sys.exit(r["gate_e"]["36"]["decision"]["verdict"] != "failed")' $E/results.json 2>/dev/null; then
+                echo "run.sh s37: setting 37 runs only after gate N36 failed (collect it into results.json first)" >&2
+                exit 2
+            fi
+            if ! grep -q '"verdict": "failed"' runs/l53/ceiling.json 2>/dev/null; then
+                echo "run.sh s37: setting 37 runs only after check L53 read \"does not carry\" (run l53 first)" >&2
+                exit 2
+            fi
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            restore_kept verdict_reading_streams artifacts/verdict_reading_streams/adapter || exit 1
+            trained named_verdict_streams || step s37 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
+                -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml \
+                -c $E/class_verdict_learnability.yaml -c $E/verdict_reading_streams.yaml \
+                -c $E/named_verdict_streams.yaml || exit 1
+            mkdir -p runs/s37
+            [[ -f runs/s37/ceiling.json ]] || step "check L54" .venv/bin/python $E/class_verdict_ceiling.py \
+                bootstrap=artifacts/bootstrap/adapter trained=artifacts/named_verdict_streams/adapter \
+                --layer $E/trec_verdict_probe.yaml --split train --check trained --gain 0.08 \
+                --output runs/s37/ceiling.json || exit 1
+            [[ -f runs/s37/probe-banking77.json ]] || probe_banking77 artifacts/named_verdict_streams/adapter \
+                runs/s37/probe-banking77.json
+            [[ -f runs/s37/probe.json ]] || probe artifacts/named_verdict_streams/adapter runs/s37/probe.json
+            if ! grep -q '"verdict": "passed"' runs/s37/ceiling.json; then
+                echo "== check L54 failed: setting 37 stops here (addendum 60)"; exit 0
+            fi
+            gate_naive_two_seeds 37 || exit 1 ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;

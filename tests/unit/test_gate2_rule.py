@@ -299,3 +299,25 @@ def test_named_pairs_split_at_the_first_equals_and_name_the_expected_form_on_a_b
     for bad in ("base", "=base", "start="):
         with pytest.raises(UserError, match="expected RUN_DIR=ADAPTER"):
             named_pairs([bad], "RUN_DIR=ADAPTER")
+
+
+def test_check_l53_streams_are_trec_coarse_label_pairs_from_its_train_split(tasks_dir):
+    """Addendum 60's check L53: L51's probe with trec_verdict_probe.yaml and --split train draws 2-label streams of
+    trec_coarse's own label names, every query from the train split (the test split the gates read untouched);
+    trec_verdict_probe_six.yaml makes every stream six-label."""
+    from icrl_core.task_data import load_task
+    from tasks.settings import load_config, with_overrides
+
+    ceiling = _ceiling()
+    here = ROOT / "experiments" / "icrl_stream_rl"
+    task = load_task("trec_coarse", tasks_dir)
+    train, test = {e.text for e in task.train}, {e.text for e in task.test}
+    six = ["trec_verdict_probe.yaml", "trec_verdict_probe_six.yaml"]
+    for extra, labels in ((["trec_verdict_probe.yaml"], {2}), (six, {6})):
+        config = load_config([ROOT / layer for layer in ceiling.LAYERS] + [here / name for name in extra])
+        config = with_overrides(config, {"data.tasks_dir": str(tasks_dir)})
+        streams = ceiling.stream_tasks(config, 8, "train")
+        assert {s.name for s in streams} == {"trec_coarse"} and {len(s.labels) for s in streams} == labels
+        assert all(set(s.labels) <= set(task.labels) for s in streams)
+        texts = {q.text for s in streams for q in s.queries}
+        assert texts <= train and not texts & (test - train)

@@ -85,12 +85,16 @@ CEILING_DECIDED = {"l52"}
 
 
 def record_ceiling(name: str, runs: Path) -> None:
-    """results.json's `learnability[name]` for a check without training (L51): its probe file and decision."""
+    """results.json's `learnability[name]` for a check without training (L51, L53): its probe file and decision,
+    and the reported six-label probe (ceiling-six.json) when the check has one."""
     from collect import read_results, write_results
 
     ceiling = json.loads((runs / "ceiling.json").read_text())
+    # a reported (not deciding) variant of the probe beside it, as check L53's six-label streams
+    six = runs / "ceiling-six.json"
+    reported = {"ceiling_six": json.loads(six.read_text())} if six.exists() else {}
     results = read_results()
-    results.setdefault("learnability", {})[name] = {"check": ceiling["decision"], "ceiling": ceiling}
+    results.setdefault("learnability", {})[name] = {"check": ceiling["decision"], "ceiling": ceiling, **reported}
     write_results(results)
     print(f"recorded {name}: {ceiling['decision'].get('verdict', ceiling['decision'].get('outcome'))}")
 

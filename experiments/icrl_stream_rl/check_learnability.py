@@ -81,7 +81,7 @@ def training_blocks(history: list[dict], size: int = 10) -> list[dict]:
 
 
 # checks decided by class_verdict_ceiling.py's probe (runs/CHECK/ceiling.json), not by the validation streams
-CEILING_DECIDED = {"l52"}
+CEILING_DECIDED = {"l52", "l54"}  # L54 (addendum 60): setting 37's check, its runs in runs/s37
 
 
 def record_ceiling(name: str, runs: Path) -> None:

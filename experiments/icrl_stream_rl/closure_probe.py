@@ -1,4 +1,5 @@
-"""The label-closure probe (icrl_core/closure_probe.py) of adapters on a task's training split (REPORT.md#label-closure).
+"""`icrl probe-closure` (the label-closure probe, icrl_core/closure_probe.py) of several adapters on a task's
+training split (REPORT.md#label-closure), one result file.
 
     .venv/bin/python experiments/icrl_stream_rl/closure_probe.py --task trec_coarse NAME=ADAPTER [NAME=ADAPTER ...] \
         [--queries 20] [--episodes 20] [--seed 0] [--output F]     # ADAPTER: a PEFT adapter folder, or 'base'
@@ -22,18 +23,14 @@ from icrl_core.io import atomic_write_json
 
 
 def probe(task_name: str, adapter: str, queries: int, episodes: int, seed: int) -> dict:
-    from icrl_core.closure_probe import label_closure
-    from icrl_core.icrl_eval import Predictor
-    from tasks.icrl_eval import load_eval_policy, load_eval_task
+    """`icrl probe-closure`'s probe (tasks.icrl_eval.probe_closure, tracked in MLflow as it is) of one adapter."""
+    from tasks.icrl_eval import probe_closure
     from tasks.settings import load_config, with_overrides
 
     config = with_overrides(load_config([ROOT / "params.yaml"]), {
         "model.dtype": "float32", "model.init_adapter": None if adapter == "base" else adapter,
-        "icrl_eval.task": task_name})
-    task = load_eval_task(config)
-    policy = load_eval_policy(config)
-    predictor = Predictor(policy, policy.tokens, task.template, task.labels, None, 1.0)
-    return label_closure(predictor, task, queries, episodes, seed)
+        "icrl_eval.task": task_name, "icrl_eval.seed": seed})
+    return probe_closure(config, queries, episodes, progress=False)
 
 
 def main(argv=None) -> int:

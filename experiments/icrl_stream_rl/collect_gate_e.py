@@ -78,6 +78,8 @@ Rules (each fixed before its runs):
   check L52's adapter as it is.
 - setting 37 (addendum 60, gate N37, `gate_naive_s37.yaml`): the same rules on setting 37's adapter, after its check
   L54 passed.
+- setting 38 (addendum 61, gate N38, `gate_naive_s38.yaml`): the same rules on setting 38's adapter (branch "six
+  gap" after its check L56 passed, or branch "six carries").
 """
 
 from __future__ import annotations
@@ -99,22 +101,22 @@ RULES = {"15": (0.03, 0.0), "16": (None, 0.05), "17": (None, 0.125), "18": (None
          "25": (None, 0.075), "26": (None, 0.08), "27": (None, 0.08),
          "28": (None, 0.08), "29": (None, 0.10), "30": (None, 0.10),
          "31": (None, 0.10), "32": (None, 0.10), "33": (None, 0.10), "36": (None, 0.10),
-         "37": (None, 0.10)}
+         "37": (None, 0.10), "38": (None, 0.10)}
 # setting -> the strategy its development gate measures (explorative unless named)
 STRATEGY = {"18": "naive", "29": "naive", "30": "naive", "31": "naive", "32": "naive",
-            "33": "naive", "36": "naive", "37": "naive"}
+            "33": "naive", "36": "naive", "37": "naive", "38": "naive"}
 # setting -> its development seeds (7 unless named); with more than one, RULES' test gain is a bound on their mean
 # and every seed's gain must be positive
 SEEDS = {"21": (7, 8), "22": (7, 8), "23": (7, 8), "24": (7, 8), "25": (7, 8), "26": (7, 8), "27": (7, 8),
          "28": (7, 8), "29": (7, 8), "30": (7, 8), "31": (7, 8),
-         "32": (7, 8), "33": (7, 8), "36": (7, 8), "37": (7, 8)}
+         "32": (7, 8), "33": (7, 8), "36": (7, 8), "37": (7, 8), "38": (7, 8)}
 # setting -> (first, last) test step: its test gain is the mean gain over the test steps first..last both runs
 # measured (the late steps, where one context draw moves the number less), not the last step's alone
 LATE = {"26": (499, 999), "27": (499, 999), "28": (499, 999), "29": (499, 999), "30": (499, 999), "31": (499, 999),
-        "32": (499, 999), "33": (499, 999), "36": (499, 999), "37": (499, 999)}
+        "32": (499, 999), "33": (499, 999), "36": (499, 999), "37": (499, 999), "38": (499, 999)}
 # settings whose gate does not send a collapsed adapter to gate 2 (addendum 54): if on any seed the trained run
 # repeats its last answer after at least COLLAPSE of its wrong answers, a rule pass is "passed by the rule, collapsed"
-NO_COLLAPSE = {"32", "33", "36", "37"}
+NO_COLLAPSE = {"32", "33", "36", "37", "38"}
 COLLAPSE = 0.95
 # setting -> the least test accuracy of the RL adapter itself, averaged over LATE's test steps and the seeds: for a
 # setting that starts from a weaker bootstrap than H32, so beating its start cannot come from starting lower

@@ -103,6 +103,12 @@
 #   s37           setting 37 (addendum 60), only if gate N36 failed and check L53 read "does not carry": check L52's
 #                 stage continued from its adapter on the four training tasks' streams, 40 iterations, check L54
 #                 (L53's probe of its adapter: verdict gain >= +0.08, runs/s37/ceiling.json), then gate N37
+#   l55           addendum 61's check L55, no training: L53's 6-label probe of setting 37's adapter beside the
+#                 bootstrap's: "six carries" when its verdict p(gold) gain is >= +0.08 (runs/l55/ceiling-six.json)
+#   s38           setting 38 (addendum 61), only after gate N37 failed and check L55 ran: branch "six gap" (L55
+#                 failed) continues setting 37's stage on 6-label streams, 40 iterations, then check L56 (L55's
+#                 probe of its adapter, runs/s38/ceiling-six.json) and, if it passed, gate N38; branch "six carries"
+#                 does it with a 30-query burn-in, 20 iterations, then gate N38
 #   ablation-ARM  the objective ablation (addenda 15, 17), ARM = ppo, grpo, rloo or dpo_rank, then its probe
 #   probe-bootstrap  the gate-1 probe of the bootstrap adapter (the gate table's "start" row)
 #   final-TASK    the final tests of the finished recipe (addendum 39), TASK = trec_fine, trec_fine_unsemantic,
@@ -334,7 +340,8 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [27]=short_start_streams [28]=test_temperature_streams [29]=label_run_streams
                          [30]=carry_verdict_streams [31]=label_run_streams_lr
                          [32]=feedback_learnability_lr [33]=class_verdict_learnability
-                         [34]=closure_streams [35]=named_closure_streams)
+                         [34]=closure_streams [35]=named_closure_streams
+                         [36]=verdict_reading_streams [37]=named_verdict_streams)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 
@@ -394,12 +401,13 @@ gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's 
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
 }
 
-gate_naive_two_seeds() {  # gate_naive_two_seeds SETTING: its naive development gate at seeds 7 and 8 (addendum
-                         # 47), gate_naive_sSETTING.yaml; outputs artifacts/gate_naive_sSETTING[_seed8]
+gate_naive_two_seeds() {  # gate_naive_two_seeds SETTING [--set K=V ...]: its naive development gate at seeds 7
+                         # and 8 (addendum 47), gate_naive_sSETTING.yaml and any overrides after it; outputs
+                         # artifacts/gate_naive_sSETTING[_seed8]
     local seed
     for seed in 7 8; do
         step "gate N$1 seed $seed" "$ICRL" stage evaluate "${SKILL[@]}" -c $E/gate2.yaml \
-            -c "$E/gate_naive_s$1.yaml" --set "icrl_eval.seed=$seed" \
+            -c "$E/gate_naive_s$1.yaml" "${@:2}" --set "icrl_eval.seed=$seed" \
             --set "evaluate.output_dir=artifacts/gate_naive_s$1$([[ $seed == 7 ]] || echo _seed$seed)" || return 1
     done
 }
@@ -594,6 +602,52 @@ sys.exit(r["gate_e"]["36"]["decision"]["verdict"] != "failed")' $E/results.json 
                 echo "== check L54 failed: setting 37 stops here (addendum 60)"; exit 0
             fi
             gate_naive_two_seeds 37 || exit 1 ;;
+        l55)  # addendum 61: no training
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            restore_kept named_verdict_streams artifacts/named_verdict_streams/adapter || exit 1
+            mkdir -p runs/l55
+            [[ -f runs/l55/ceiling-six.json ]] || step "check L55" .venv/bin/python $E/class_verdict_ceiling.py \
+                bootstrap=artifacts/bootstrap/adapter trained=artifacts/named_verdict_streams/adapter \
+                --layer $E/trec_verdict_probe.yaml --layer $E/trec_verdict_probe_six.yaml --split train \
+                --check trained --gain 0.08 --output runs/l55/ceiling-six.json || exit 1 ;;
+        s38)  # addendum 61: only if gate N37 failed; check L55 chooses the branch
+            if ! .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1]))
+sys.exit(r["gate_e"]["37"]["decision"]["verdict"] != "failed")' $E/results.json 2>/dev/null; then
+                echo "run.sh s38: setting 38 runs only after gate N37 failed (collect it into results.json first)" >&2
+                exit 2
+            fi
+            if [[ ! -f runs/l55/ceiling-six.json ]]; then
+                echo "run.sh s38: setting 38's branch comes from check L55 (run l55 first)" >&2
+                exit 2
+            fi
+            restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
+            restore_kept named_verdict_streams artifacts/named_verdict_streams/adapter || exit 1
+            S38=(-c $E/stream_rl.yaml -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml
+                 -c $E/class_verdict_learnability.yaml -c $E/verdict_reading_streams.yaml
+                 -c $E/named_verdict_streams.yaml -c $E/six_verdict_streams.yaml)
+            mkdir -p runs/s38
+            if grep -q '"verdict": "failed"' runs/l55/ceiling-six.json; then  # branch "six gap"
+                trained six_verdict_streams || step s38 "$ICRL" stage ppo "${SKILL[@]}" "${S38[@]}" || exit 1
+                [[ -f runs/s38/ceiling-six.json ]] || step "check L56" .venv/bin/python $E/class_verdict_ceiling.py \
+                    bootstrap=artifacts/bootstrap/adapter trained=artifacts/six_verdict_streams/adapter \
+                    --layer $E/trec_verdict_probe.yaml --layer $E/trec_verdict_probe_six.yaml --split train \
+                    --check trained --gain 0.08 --output runs/s38/ceiling-six.json || exit 1
+                [[ -f runs/s38/ceiling.json ]] || step "setting 38, 2 labels" .venv/bin/python \
+                    $E/class_verdict_ceiling.py trained=artifacts/six_verdict_streams/adapter \
+                    --layer $E/trec_verdict_probe.yaml --split train --decide trained \
+                    --output runs/s38/ceiling.json || exit 1
+                adapter=artifacts/six_verdict_streams/adapter
+            else  # branch "six carries"
+                trained long_verdict_streams || step s38 "$ICRL" stage ppo "${SKILL[@]}" "${S38[@]}" \
+                    -c $E/long_verdict_streams.yaml || exit 1
+                adapter=artifacts/long_verdict_streams/adapter
+            fi
+            [[ -f runs/s38/probe-banking77.json ]] || probe_banking77 $adapter runs/s38/probe-banking77.json
+            [[ -f runs/s38/probe.json ]] || probe $adapter runs/s38/probe.json
+            if [[ -f runs/s38/ceiling-six.json ]] && ! grep -q '"verdict": "passed"' runs/s38/ceiling-six.json; then
+                echo "== check L56 failed: setting 38 stops here (addendum 61)"; exit 0
+            fi
+            gate_naive_two_seeds 38 --set "evaluate.adapter=$adapter" || exit 1 ;;
         probe-banking77-bootstrap)
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             probe_banking77 artifacts/bootstrap/adapter runs/bootstrap/probe-banking77.json ;;

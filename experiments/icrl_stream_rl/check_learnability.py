@@ -81,18 +81,27 @@ def training_blocks(history: list[dict], size: int = 10) -> list[dict]:
 
 
 # checks decided by class_verdict_ceiling.py's probe (runs/CHECK/ceiling.json), not by the validation streams
-CEILING_DECIDED = {"l52", "l54"}  # L54 (addendum 60): setting 37's check, its runs in runs/s37
+CEILING_DECIDED = {"l52", "l54", "l56"}  # L54, L56 (addenda 60, 61): settings 37's and 38's checks (runs/s37, s38)
+# checks whose six-label probe (ceiling-six.json) decides, the 2-label one (ceiling.json) reported when it ran
+SIX_DECIDED = {"l55", "l56"}
+
+
+def probe_files(name: str, runs: Path) -> tuple[dict, dict]:
+    """The check's deciding probe (ceiling.json, or ceiling-six.json for SIX_DECIDED) and the reported other one,
+    as {"ceiling_six": ...} or {"ceiling_two": ...} ({} when it did not run)."""
+    six = name.lower() in SIX_DECIDED
+    deciding, other = ("ceiling-six.json", "ceiling.json") if six else ("ceiling.json", "ceiling-six.json")
+    reported = {("ceiling_two" if six else "ceiling_six"): json.loads((runs / other).read_text())} \
+        if (runs / other).exists() else {}
+    return json.loads((runs / deciding).read_text()), reported
 
 
 def record_ceiling(name: str, runs: Path) -> None:
-    """results.json's `learnability[name]` for a check without training (L51, L53): its probe file and decision,
-    and the reported six-label probe (ceiling-six.json) when the check has one."""
+    """results.json's `learnability[name]` for a check without training (L51, L53, L55): its deciding probe file
+    and decision, and the other probe (2 or 6 labels) when the check has one."""
     from collect import read_results, write_results
 
-    ceiling = json.loads((runs / "ceiling.json").read_text())
-    # a reported (not deciding) variant of the probe beside it, as check L53's six-label streams
-    six = runs / "ceiling-six.json"
-    reported = {"ceiling_six": json.loads(six.read_text())} if six.exists() else {}
+    ceiling, reported = probe_files(name, runs)
     results = read_results()
     results.setdefault("learnability", {})[name] = {"check": ceiling["decision"], "ceiling": ceiling, **reported}
     write_results(results)
@@ -111,9 +120,9 @@ def record(name: str, run_dir: Path, runs: Path) -> None:
         probes[key] = {**probe_row(runs / file), "effect": {n: round(v, 4) for n, v in effect.items()}}
     evals = json.loads((run_dir / "evals.json").read_text())
     if name.lower() in CEILING_DECIDED:
-        ceiling = json.loads((runs / "ceiling.json").read_text())
+        ceiling, reported = probe_files(name, runs)
         check = {**ceiling["decision"], "curve": decision(evals, None)["curve"]}
-        extra = {"ceiling": ceiling}
+        extra = {"ceiling": ceiling, **reported}
     else:
         check, extra = check_decision(name, evals), {}
     results = read_results()

@@ -341,7 +341,8 @@ declare -A SETTING_OUTPUT=([15]=explorative_streams [16]=burn_in_streams [17]=bu
                          [30]=carry_verdict_streams [31]=label_run_streams_lr
                          [32]=feedback_learnability_lr [33]=class_verdict_learnability
                          [34]=closure_streams [35]=named_closure_streams
-                         [36]=verdict_reading_streams [37]=named_verdict_streams)
+                         [36]=verdict_reading_streams [37]=named_verdict_streams
+                         [38]=six_verdict_streams)
 # The bootstrap a setting started from when it is not the H32 one (its kept adapter; gate 2 compares with it).
 declare -A SETTING_START=([27]=bootstrap_short)
 

@@ -402,6 +402,24 @@ gate2_part() {  # gate2_part SETTING OUTPUT_DIR TARGET: one part of a setting's 
         --set "evaluate.output_dir=artifacts/gate2_s$1/seed$seed-$strategy"
 }
 
+gate_failed() {  # gate_failed SETTING: its development gate is collected into results.json as failed
+    .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1]))
+sys.exit(r["gate_e"][sys.argv[2]]["decision"]["verdict"] != "failed")' $E/results.json "$1" 2>/dev/null
+}
+
+# Setting 37's stage (addendum 60): check L52's layers, then named_verdict_streams.yaml; setting 38 layers after it
+NAMED_VERDICT=(-c $E/stream_rl.yaml -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml
+               -c $E/class_verdict_learnability.yaml -c $E/verdict_reading_streams.yaml
+               -c $E/named_verdict_streams.yaml)
+
+verdict_probe_six() {  # verdict_probe_six NAME OUTPUT MODEL=ADAPTER...: check L53's six-label probe (trec_coarse's
+                      # train split) of the models, decided for `trained` against `bootstrap` at +0.08
+    local name=$1 output=$2
+    shift 2
+    step "$name" .venv/bin/python $E/class_verdict_ceiling.py "$@" --layer $E/trec_verdict_probe.yaml \
+        --layer $E/trec_verdict_probe_six.yaml --split train --check trained --gain 0.08 --output "$output"
+}
+
 gate_naive_two_seeds() {  # gate_naive_two_seeds SETTING [--set K=V ...]: its naive development gate at seeds 7
                          # and 8 (addendum 47), gate_naive_sSETTING.yaml and any overrides after it; outputs
                          # artifacts/gate_naive_sSETTING[_seed8]
@@ -570,14 +588,11 @@ for target in "$@"; do
                 base=base bootstrap=artifacts/bootstrap/adapter trained=artifacts/verdict_reading_streams/adapter \
                 --layer $E/trec_verdict_probe.yaml --split train --check trained --gain 0.08 \
                 --output runs/l53/ceiling.json || exit 1
-            [[ -f runs/l53/ceiling-six.json ]] || step "check L53, six labels" .venv/bin/python \
-                $E/class_verdict_ceiling.py base=base bootstrap=artifacts/bootstrap/adapter \
-                trained=artifacts/verdict_reading_streams/adapter --layer $E/trec_verdict_probe.yaml \
-                --layer $E/trec_verdict_probe_six.yaml --split train --check trained --gain 0.08 \
-                --output runs/l53/ceiling-six.json || exit 1 ;;
+            [[ -f runs/l53/ceiling-six.json ]] || verdict_probe_six "check L53, six labels" runs/l53/ceiling-six.json \
+                base=base bootstrap=artifacts/bootstrap/adapter trained=artifacts/verdict_reading_streams/adapter \
+                || exit 1 ;;
         s37)  # addendum 60: only if gate N36 failed and check L53 read "does not carry"
-            if ! .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1]))
-sys.exit(r["gate_e"]["36"]["decision"]["verdict"] != "failed")' $E/results.json 2>/dev/null; then
+            if ! gate_failed 36; then
                 echo "run.sh s37: setting 37 runs only after gate N36 failed (collect it into results.json first)" >&2
                 exit 2
             fi
@@ -587,10 +602,7 @@ sys.exit(r["gate_e"]["36"]["decision"]["verdict"] != "failed")' $E/results.json 
             fi
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             restore_kept verdict_reading_streams artifacts/verdict_reading_streams/adapter || exit 1
-            trained named_verdict_streams || step s37 "$ICRL" stage ppo "${SKILL[@]}" -c $E/stream_rl.yaml \
-                -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml \
-                -c $E/class_verdict_learnability.yaml -c $E/verdict_reading_streams.yaml \
-                -c $E/named_verdict_streams.yaml || exit 1
+            trained named_verdict_streams || step s37 "$ICRL" stage ppo "${SKILL[@]}" "${NAMED_VERDICT[@]}" || exit 1
             mkdir -p runs/s37
             [[ -f runs/s37/ceiling.json ]] || step "check L54" .venv/bin/python $E/class_verdict_ceiling.py \
                 bootstrap=artifacts/bootstrap/adapter trained=artifacts/named_verdict_streams/adapter \
@@ -607,13 +619,10 @@ sys.exit(r["gate_e"]["36"]["decision"]["verdict"] != "failed")' $E/results.json 
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             restore_kept named_verdict_streams artifacts/named_verdict_streams/adapter || exit 1
             mkdir -p runs/l55
-            [[ -f runs/l55/ceiling-six.json ]] || step "check L55" .venv/bin/python $E/class_verdict_ceiling.py \
-                bootstrap=artifacts/bootstrap/adapter trained=artifacts/named_verdict_streams/adapter \
-                --layer $E/trec_verdict_probe.yaml --layer $E/trec_verdict_probe_six.yaml --split train \
-                --check trained --gain 0.08 --output runs/l55/ceiling-six.json || exit 1 ;;
+            [[ -f runs/l55/ceiling-six.json ]] || verdict_probe_six "check L55" runs/l55/ceiling-six.json \
+                bootstrap=artifacts/bootstrap/adapter trained=artifacts/named_verdict_streams/adapter || exit 1 ;;
         s38)  # addendum 61: only if gate N37 failed; check L55 chooses the branch
-            if ! .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1]))
-sys.exit(r["gate_e"]["37"]["decision"]["verdict"] != "failed")' $E/results.json 2>/dev/null; then
+            if ! gate_failed 37; then
                 echo "run.sh s38: setting 38 runs only after gate N37 failed (collect it into results.json first)" >&2
                 exit 2
             fi
@@ -623,16 +632,12 @@ sys.exit(r["gate_e"]["37"]["decision"]["verdict"] != "failed")' $E/results.json 
             fi
             restore_kept bootstrap_h32 artifacts/bootstrap/adapter || exit 1
             restore_kept named_verdict_streams artifacts/named_verdict_streams/adapter || exit 1
-            S38=(-c $E/stream_rl.yaml -c $E/feedback_learnability.yaml -c $E/feedback_learnability_lr.yaml
-                 -c $E/class_verdict_learnability.yaml -c $E/verdict_reading_streams.yaml
-                 -c $E/named_verdict_streams.yaml -c $E/six_verdict_streams.yaml)
+            S38=("${NAMED_VERDICT[@]}" -c $E/six_verdict_streams.yaml)
             mkdir -p runs/s38
             if grep -q '"verdict": "failed"' runs/l55/ceiling-six.json; then  # branch "six gap"
                 trained six_verdict_streams || step s38 "$ICRL" stage ppo "${SKILL[@]}" "${S38[@]}" || exit 1
-                [[ -f runs/s38/ceiling-six.json ]] || step "check L56" .venv/bin/python $E/class_verdict_ceiling.py \
-                    bootstrap=artifacts/bootstrap/adapter trained=artifacts/six_verdict_streams/adapter \
-                    --layer $E/trec_verdict_probe.yaml --layer $E/trec_verdict_probe_six.yaml --split train \
-                    --check trained --gain 0.08 --output runs/s38/ceiling-six.json || exit 1
+                [[ -f runs/s38/ceiling-six.json ]] || verdict_probe_six "check L56" runs/s38/ceiling-six.json \
+                    bootstrap=artifacts/bootstrap/adapter trained=artifacts/six_verdict_streams/adapter || exit 1
                 [[ -f runs/s38/ceiling.json ]] || step "setting 38, 2 labels" .venv/bin/python \
                     $E/class_verdict_ceiling.py trained=artifacts/six_verdict_streams/adapter \
                     --layer $E/trec_verdict_probe.yaml --split train --decide trained \
